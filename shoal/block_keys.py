@@ -1,0 +1,48 @@
+"""Content identity of KV blocks: chained hashes seeded by a namespace.
+
+    namespace = H(model identity, kv dtype, block size, KV layout version, TP shard)
+    seed      = H(namespace || cache_salt)
+    key_0     = H(seed    || tokens of block 0)
+    key_i     = H(key_i-1 || tokens of block i)
+
+A key names a block's KV exactly: same key, same bytes. Keys never include the ADP rank,
+so one owner's block is a hit for every other owner. hashlib only (Python's `hash()` is
+salted per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+
+KEY_BYTES = 32
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def make_namespace(model_identity: str, kv_dtype: torch.dtype, block_size: int,
+                   layout_version: int, tp_size: int = 1, tp_rank: int = 0) -> bytes:
+    text = (f"shoal-kv|model={model_identity}|dtype={str(kv_dtype)}|block_size={block_size}"
+            f"|layout={layout_version}|tp={tp_size}:{tp_rank}")
+    return _h(text.encode())
+
+
+def request_seed(namespace: bytes, cache_salt: str | None) -> bytes:
+    salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    return _h(namespace, salt)
+
+
+def extend_block_keys(keys: list[bytes], token_ids: list[int], block_size: int,
+                      seed: bytes) -> None:
+    """Append the keys of every full block of `token_ids` not yet keyed in `keys`."""
+    for i in range(len(keys), len(token_ids) // block_size):
+        prev = keys[i - 1] if i else seed
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        keys.append(_h(prev, struct.pack(f"<{block_size}i", *block)))

@@ -1,0 +1,136 @@
+"""`shoal` command line: generate, demo, bench.
+
+Exit codes: 0 ok; 1 a runtime failure; 2 bad arguments or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+EXIT_RUNTIME_ERROR = 1
+EXIT_BAD_INPUT = 2
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="preset name (smollm2), HF directory or .gguf file (default: smollm2)")
+    p.add_argument("--dp", type=int, default=1, help="attention data-parallel ranks (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--kv-pool", metavar="DIR", help="directory of the persistent KV pool")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests per step (default 64)")
+    p.add_argument("--max-num-tokens", type=int, default=2048,
+                   help="tokens per step, prefill chunks included (default 2048)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV blocks per rank (default: from --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per rank (default 1.0)")
+    p.add_argument("--no-overlap", action="store_true", help="use the plain executor loop")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(kv_pool=args.kv_pool, dp_size=args.dp, tp_size=args.tp,
+                block_size=args.block_size, max_batch_size=args.max_batch_size,
+                max_num_tokens=args.max_num_tokens, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_gb=args.kv_cache_gb, overlap_scheduler=not args.no_overlap,
+                device=args.device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description=(
+        "Shoal: a compact LLM inference engine with a persistent, shared KV pool."))
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts")
+    _add_engine_args(g)
+    g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt (repeat for several)")
+    g.add_argument("--prompts-file", metavar="F", help="a file with one prompt per line")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--json", action="store_true",
+                   help="one JSON object per request, then {\"summary\": stats}")
+
+    d = sub.add_parser("demo", help="the main job on the embedded default model")
+    d.add_argument("--model", default="smollm2", help=argparse.SUPPRESS)
+    d.add_argument("--no-overlap", action="store_true", help="use the plain executor loop")
+
+    b = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    t = bsub.add_parser("throughput", help="tokens/s vs transformers generate, and prefix-hit TTFT")
+    t.add_argument("--model", default="smollm2")
+    t.add_argument("--num-prompts", type=int, default=16)
+    t.add_argument("--max-tokens", type=int, default=128)
+    t.add_argument("--device", default="cpu")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s [rank 0] %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "demo":
+            from shoal.demo import run_demo
+            return run_demo(args.model, overlap=not args.no_overlap)
+        if args.command == "bench":
+            from shoal.bench import run_bench
+            return run_bench(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"shoal: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RuntimeError as e:
+        print(f"shoal: error: {e}", file=sys.stderr)
+        return EXIT_RUNTIME_ERROR
+    except KeyboardInterrupt:
+        print("shoal: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_BAD_INPUT
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from shoal import LLM, SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: give --prompt TEXT or --prompts-file F")
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    with LLM(args.model, **_engine_kwargs(args)) as llm:
+        show_bar = len(prompts) > 1 or args.max_tokens > 64
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sampling,
+                            use_tqdm=show_bar)
+        else:
+            outs = llm.generate(prompts, sampling, use_tqdm=show_bar)
+        stats = llm.stats()
+    failed = 0
+    for i, out in enumerate(outs):
+        failed += out.finish_reason == "error"
+        if args.json:
+            print(json.dumps({
+                "index": i, "text": out.text, "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason, "error": out.error,
+                "ttft_s": out.metrics.ttft_s,
+                "num_local_prefix_tokens": out.num_local_prefix_tokens,
+                "num_connector_tokens": out.num_connector_tokens}))
+        elif out.finish_reason == "error":
+            print(f"[{i}] error: {out.error}", file=sys.stderr)
+        else:
+            print(out.text if len(outs) == 1 else f"[{i}] {out.text}")
+    if args.json:
+        print(json.dumps({"summary": stats}))
+    return EXIT_RUNTIME_ERROR if failed else 0

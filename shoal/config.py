@@ -1,0 +1,67 @@
+"""Engine configuration: frozen, validated once at bring-up."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. Run-time discoveries (e.g. the number of KV blocks a
+    memory budget buys) are returned by whoever discovers them, never written back here."""
+
+    model: str = "smollm2"  # preset name, HF directory or .gguf path
+    block_size: int = 16  # token slots per KV block
+    max_batch_size: int = 64  # requests in one step at most
+    max_num_tokens: int = 2048  # tokens in one step at most (prefill chunks + decodes)
+    num_kv_blocks: int | None = None  # KV blocks per rank; None = as many as kv_cache_gb buys
+    kv_cache_gb: float = 1.0  # KV cache memory per rank when num_kv_blocks is None
+    max_model_len: int | None = None  # context cap; None = the model's own
+    overlap_scheduler: bool = True  # schedule step N+1 while step N runs
+    enable_prefix_caching: bool = True  # reuse full blocks across requests on a rank
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    dtype: str = "float32"  # weights and KV cache
+    dp_size: int = 1  # attention data-parallel ranks
+    tp_size: int = 1  # tensor-parallel ranks
+
+    def __post_init__(self) -> None:
+        _int_at_least("block_size", self.block_size, 1, 4096)
+        _int_at_least("max_batch_size", self.max_batch_size, 1)
+        _int_at_least("max_num_tokens", self.max_num_tokens, 1)
+        _int_at_least("dp_size", self.dp_size, 1)
+        _int_at_least("tp_size", self.tp_size, 1)
+        if self.num_kv_blocks is not None:
+            _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.max_model_len is not None:
+            _int_at_least("max_model_len", self.max_model_len, 1)
+        if (isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))
+                or not math.isfinite(self.kv_cache_gb) or self.kv_cache_gb <= 0):
+            raise ValueError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a preset name or a path, got {self.model!r}")
+        if self.dp_size > 1 or self.tp_size > 1:
+            raise ValueError(f"dp_size={self.dp_size}, tp_size={self.tp_size}: several ranks are "
+                             "not available in this version (allowed: 1)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _int_at_least(name: str, value, low: int, high: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if ok and (high is None or value <= high):
+        return
+    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")

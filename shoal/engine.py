@@ -1,0 +1,132 @@
+"""One rank's engine: model, KV cache, scheduler, runner and executor, built from a config."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shoal.block_keys import make_namespace
+from shoal.config import EngineConfig
+from shoal.executor import Executor
+from shoal.kv_cache import KVCache, KVCacheLayout
+from shoal.kv_cache_manager import KVCacheManager
+from shoal.model.llama import LlamaModel, rope_inv_freq
+from shoal.model.loader import load_model_source
+from shoal.model_runner import ModelRunner
+from shoal.request import Request
+from shoal.sampling import SamplingParams
+from shoal.scheduler import Scheduler
+from shoal.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+STAT_KEYS = (
+    "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",
+    "pool_lookups", "pool_hit_blocks", "pool_miss_blocks", "connector_tokens_loaded",
+    "bytes_loaded", "bytes_saved", "load_seconds", "save_seconds", "corrupt_blocks",
+    "load_failures_recomputed", "deadline_expiries", "cancellations",
+    "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
+)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What bring-up discovered."""
+
+    num_kv_blocks: int
+    block_nbytes: int
+    max_model_len: int
+    namespace: str  # hex of the block-key namespace
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        source = load_model_source(config.model)
+        self.model_config = source.config
+        self.tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
+        dtype = config.torch_dtype
+        with torch.device("meta"):
+            model = LlamaModel(source.config)
+        model = model.to_empty(device=self.device)
+        model.tie_weights_if_needed()
+        model.inv_freq.copy_(rope_inv_freq(source.config))
+        model.load_hf_state_dict(source.weights)
+        self.model = model.to(dtype).eval()
+        del source.weights
+
+        cfg = source.config
+        probe = KVCacheLayout(1, cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                              cfg.head_dim, dtype)
+        num_blocks = config.num_kv_blocks or max(
+            int(config.kv_cache_gb * (1 << 30)) // probe.block_nbytes, 1)
+        layout = KVCacheLayout(num_blocks, cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                               cfg.head_dim, dtype)
+        self.kv_cache = KVCache(layout, self.device)
+        identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
+                                   digest_size=16).hexdigest()
+        namespace = make_namespace(identity, dtype, config.block_size, layout.layout_version)
+        max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                            cfg.max_position_embeddings)
+        self.info = EngineInfo(num_blocks, layout.block_nbytes, max_model_len, namespace.hex())
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, namespace,
+                                         config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
+                                   max_model_len)
+        self.executor = Executor(self.scheduler, ModelRunner(self.model, self.kv_cache, self.device),
+                                 config.overlap_scheduler)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self._ids = itertools.count()
+        self._rejected: list[Request] = []
+        self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",
+                                      "local_prefix_hit_tokens"), 0)
+        log.info("engine ready: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+                 num_blocks, config.block_size, num_blocks * layout.block_nbytes / 2**20,
+                 max_model_len)
+
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                    request_id: str | None = None, prompt: str | None = None,
+                    cache_salt: str | None = None) -> Request:
+        stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_token_ids)
+        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
+                      frozenset(stop), cache_salt=cache_salt, prompt=prompt)
+        error = self.scheduler.add(req)
+        if error is not None:
+            self.scheduler.finish(req, "error", error)
+            self._rejected.append(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return self.executor.has_work or bool(self._rejected)
+
+    def step(self) -> list[Request]:
+        """One executor step; returns the requests that ended (rejected ones included)."""
+        finished, self._rejected = self._rejected, []
+        finished += self.executor.step().finished
+        for req in finished:
+            self._counts["prompt_tokens"] += req.num_prompt_tokens
+            self._counts["generated_tokens"] += len(req.output_token_ids)
+            self._counts["local_prefix_hit_tokens"] += req.num_local_prefix_tokens or 0
+        return finished
+
+    def stats(self) -> dict:
+        s = dict.fromkeys(STAT_KEYS, 0)
+        s.update(self._counts)
+        s["iterations"] = self.executor.num_iterations
+        s["forward_passes"] = self.executor.num_forward_passes
+        s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
+        s["preemptions"] = self.scheduler.num_preemptions
+        return s
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,57 @@
+"""The paged KV cache: one tensor per engine, block-major.
+
+Layout `[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]`: all
+layers' K and V of one block are one contiguous run of `block_nbytes` bytes, so the
+pool moves a block with one large copy instead of 2 * num_layers small ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_LAYOUT_VERSION = 1  # bump when the layout changes: it is hashed into block keys
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What a connector needs to know to move blocks in and out of the cache."""
+
+    num_blocks: int
+    num_layers: int
+    block_size: int  # token slots per block
+    num_kv_heads: int  # heads held by this rank
+    head_dim: int
+    dtype: torch.dtype
+    layout_version: int = KV_LAYOUT_VERSION
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KVCache:
+    """Owns the KV tensor and hands the model per-layer views."""
+
+    def __init__(self, layout: KVCacheLayout, device: torch.device):
+        self.layout = layout
+        # Zero-filled: padded attention reads unused slots with weight 0, and 0 * NaN from
+        # uninitialised memory would poison the output.
+        self.tensor = torch.zeros((layout.num_blocks, *layout.block_shape), dtype=layout.dtype,
+                                  device=device)
+        # layer i -> (k, v), each a [num_blocks, block_size, num_kv_heads, head_dim] view
+        self.layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1])
+                       for i in range(layout.num_layers)]
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """One block's bytes for all layers: a contiguous [num_layers, 2, bs, H, D] view."""
+        return self.tensor[block_id]

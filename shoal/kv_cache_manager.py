@@ -1,0 +1,78 @@
+"""Per-request block bookkeeping on top of the block pool: prefix hits, growth, release."""
+
+from __future__ import annotations
+
+from shoal.block_keys import extend_block_keys, request_seed
+from shoal.block_pool import BlockPool
+from shoal.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, namespace: bytes,
+                 enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.namespace = namespace
+        self.enable_prefix_caching = enable_prefix_caching
+
+    def update_block_keys(self, req: Request) -> None:
+        """Key every full block of the request's known tokens."""
+        extend_block_keys(req.block_keys, req.token_ids(0, req.num_tokens), self.block_size,
+                          request_seed(self.namespace, req.cache_salt))
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks of the longest locally cached prefix. Never covers the last known token: its
+        logits must be computed to sample from them."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.pool.lookup(req.block_keys[:max_blocks])
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        needed = self._num_new_blocks(req, num_new_tokens, cached_block_ids)
+        # cached blocks sitting in the free queue stop being free once touched
+        reclaimed = sum(self.pool.is_free(b) for b in cached_block_ids)
+        return needed + reclaimed <= self.pool.num_free_blocks
+
+    def allocate(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Hold `cached_block_ids` (a prefix hit, only for a request with no blocks) and grow the
+        request's blocks to cover num_computed_tokens + num_new_tokens. False = not enough free."""
+        if not self.can_allocate(req, num_new_tokens, cached_block_ids):
+            return False
+        if cached_block_ids:
+            assert not req.block_ids, f"{req.request_id}: prefix hit for a request holding blocks"
+            self.pool.touch(list(cached_block_ids))
+            req.block_ids = list(cached_block_ids)
+            req.num_cached_blocks = len(cached_block_ids)
+        new = self.pool.allocate(self._num_new_blocks(req, num_new_tokens, ()))
+        assert new is not None, "can_allocate said yes"
+        req.block_ids.extend(new)
+        return True
+
+    def cache_computed_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks whose KV is computed up to num_computed_tokens."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_keys(req)
+        upto = min(num_computed_tokens // self.block_size, len(req.block_keys), len(req.block_ids))
+        for i in range(req.num_cached_blocks, upto):
+            self.pool.cache_block(req.block_ids[i], req.block_keys[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, upto)
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks; the tail goes to the queue first so it is evicted first."""
+        self.pool.free(list(reversed(req.block_ids)))
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, cached_block_ids) -> int:
+        held = len(req.block_ids) + len(cached_block_ids)
+        num_tokens = max(req.num_computed_tokens, len(cached_block_ids) * self.block_size)
+        return max(cdiv(num_tokens + num_new_tokens, self.block_size) - held, 0)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()

@@ -1,0 +1,127 @@
+"""The public entry point: `LLM(...)`, `generate`, `chat`, `stats`, `shutdown`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from shoal.config import EngineConfig
+from shoal.engine import Engine
+from shoal.request import Request, RequestOutput
+from shoal.sampling import SamplingParams
+
+Prompt = str | Sequence[int]  # text, or token ids used as they are
+
+
+class LLM:
+    """An inference engine. Keyword arguments are those of `EngineConfig`, plus the pool
+    options (`kv_pool`, `kv_connector`), which this version does not provide yet."""
+
+    def __init__(self, model: str = "smollm2", *, kv_pool: str | None = None,
+                 kv_connector=None, dp_size: int = 1, tp_size: int = 1, block_size: int = 16,
+                 max_batch_size: int = 64, max_num_tokens: int = 2048,
+                 num_kv_blocks: int | None = None, kv_cache_gb: float = 1.0,
+                 max_model_len: int | None = None, overlap_scheduler: bool = True,
+                 enable_prefix_caching: bool = True, device: str = "cpu",
+                 dtype: str = "float32"):
+        if kv_pool is not None or kv_connector is not None:
+            raise ValueError("kv_pool / kv_connector: the KV pool is not available in this "
+                             "version (allowed: None)")
+        self.config = EngineConfig(
+            model=model, block_size=block_size, max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb,
+            max_model_len=max_model_len, overlap_scheduler=overlap_scheduler,
+            enable_prefix_caching=enable_prefix_caching, device=device, dtype=dtype,
+            dp_size=dp_size, tp_size=tp_size)
+        self._engine: Engine | None = Engine(self.config)
+        self.tokenizer = self._engine.tokenizer
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self._engine
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 cache_salt: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_prompt(sampling, len(prompts))
+        reqs = []
+        for prompt, sp in zip(prompts, params):
+            if isinstance(prompt, str):
+                reqs.append(self.engine.add_request(self.tokenizer.encode(prompt), sp,
+                                                    prompt=prompt, cache_salt=cache_salt))
+            else:
+                reqs.append(self.engine.add_request(list(prompt), sp, cache_salt=cache_salt))
+        self._run(reqs, use_tqdm)
+        return [self._output(r) for r in reqs]
+
+    def chat(self, messages_list: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             cache_salt: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Like generate, for conversations (lists of {"role", "content"}) through the model's
+        chat template; one conversation or a list of them."""
+        if messages_list and isinstance(messages_list[0], dict):
+            messages_list = [messages_list]
+        ids = [self.tokenizer.apply_chat_template(list(m)) for m in messages_list]
+        return self.generate(ids, sampling, cache_salt=cache_salt, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict:
+        """Counters summed over ranks, plus "per_rank": one dict of the same keys per rank."""
+        s = self.engine.stats()
+        return {**s, "per_rank": [dict(s)]}
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _run(self, reqs: list[Request], use_tqdm: bool) -> None:
+        pending = {r.request_id for r in reqs if not r.is_finished}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(reqs), desc="requests", file=sys.stderr, unit="req")
+            bar.update(len(reqs) - len(pending))
+        try:
+            engine = self.engine
+            while engine.has_work:
+                done = engine.step()
+                if bar is not None:
+                    bar.update(sum(r.request_id in pending for r in done))
+                pending.difference_update(r.request_id for r in done)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=self.tokenizer.decode(req.output_token_ids), token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason, error=req.error, metrics=req.metrics,
+            num_local_prefix_tokens=req.num_local_prefix_tokens or 0,
+            num_connector_tokens=req.num_connector_tokens)
+
+
+def _per_prompt(sampling, n: int) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    sampling = list(sampling)
+    if len(sampling) != n:
+        raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {n} prompts")
+    return sampling

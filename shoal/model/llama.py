@@ -1,0 +1,235 @@
+"""Llama-family decoder over a flat token batch with paged attention.
+
+The forward takes the tokens of every scheduled request concatenated into one
+`[num_tokens]` vector. Projections and the MLP run on all tokens at once; attention
+reads and writes the paged KV cache through `AttentionMetadata` (built by the model
+runner). Arithmetic follows `transformers`' Llama op for op so that greedy outputs
+match it token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.model.config import ModelConfig
+
+
+@dataclass
+class PrefillSeq:
+    """One request whose scheduled chunk has more than one token (or starts a prompt)."""
+
+    token_start: int  # first row of this chunk in the flat batch
+    num_tokens: int  # rows in this chunk
+    context_len: int  # tokens with KV after this step (cached + this chunk)
+    block_ids: torch.Tensor  # [cdiv(context_len, block_size)] int64 on the model device
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's KV goes and what each request attends to."""
+
+    slot_block_ids: torch.Tensor  # [T] block holding each token's KV slot
+    slot_offsets: torch.Tensor  # [T] offset of that slot inside its block
+    decode_rows: torch.Tensor | None  # [B] rows of single-token decodes (None: no decodes)
+    decode_block_table: torch.Tensor | None  # [B, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks*block_size] bool; None if all equal
+    decode_context_len: int  # keys attended by the longest decode
+    prefills: list[PrefillSeq]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with llama3 scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+        # x [T, hidden]; cos/sin [T, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache[meta.slot_block_ids, meta.slot_offsets] = k
+        v_cache[meta.slot_block_ids, meta.slot_offsets] = v
+
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], meta, k_cache, v_cache)
+        for seq in meta.prefills:
+            rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
+            out[rows] = self._prefill(q[rows], seq, k_cache, v_cache)
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        # block_ids [..., nb] -> [..., Hkv, nb*block_size, D]
+        blocks = cache.index_select(0, block_ids.reshape(-1))
+        blocks = blocks.view(*block_ids.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+        return blocks.transpose(-3, -2)
+
+    def _prefill(self, q, seq: PrefillSeq, k_cache, v_cache):
+        # q [n, Hq, D] attends to context positions [0, context_len) causally.
+        n, ctx = seq.num_tokens, seq.context_len
+        keys = self._gather(k_cache, seq.block_ids)[:, :ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
+        values = self._gather(v_cache, seq.block_ids)[:, :ctx].unsqueeze(0)
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if n == ctx:
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            # Query i sits at position ctx - n + i and sees keys j <= that position.
+            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+    def _decode(self, q, meta: AttentionMetadata, k_cache, v_cache):
+        # q [B, Hq, D]: one query per request at the end of its context.
+        ctx = meta.decode_context_len
+        keys = self._gather(k_cache, meta.decode_block_table)[:, :, :ctx]  # [B, Hkv, ctx, D]
+        values = self._gather(v_cache, meta.decode_block_table)[:, :, :ctx]
+        mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                           enable_gqa=True)
+        return o.squeeze(2)  # [B, Hq, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + LM head. Parameter names follow HF with q/k/v and gate/up merged."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights_if_needed()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def tie_weights_if_needed(self) -> None:
+        """Share the embedding with the LM head (again after `to_empty`, which unties)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_layers):
+        """input_ids/positions [T] -> hidden states [T, hidden].
+
+        kv_layers[i] = (k_cache, v_cache) views of layer i, each [num_blocks, block_size, Hkv, D].
+        """
+        x = self.embed_tokens(input_ids)
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_layers):
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (already the rows to sample) -> logits [N, vocab] float32."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named Llama weights in, merging q/k/v and gate/up; every weight must be used."""
+        own = dict(self.named_parameters())
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing weight {name!r}")
+            used.add(name)
+            return weights[name]
+
+        with torch.no_grad():
+            own["embed_tokens.weight"].copy_(take("model.embed_tokens.weight"))
+            own["norm.weight"].copy_(take("model.norm.weight"))
+            if not self.cfg.tie_word_embeddings:
+                own["lm_head.weight"].copy_(take("lm_head.weight"))
+            elif "lm_head.weight" in weights:
+                used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+            for i in range(self.cfg.num_layers):
+                p, hf = f"layers.{i}.", f"model.layers.{i}."
+                own[p + "input_layernorm.weight"].copy_(take(hf + "input_layernorm.weight"))
+                own[p + "post_attention_layernorm.weight"].copy_(
+                    take(hf + "post_attention_layernorm.weight"))
+                own[p + "self_attn.qkv_proj.weight"].copy_(torch.cat(
+                    [take(hf + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                own[p + "self_attn.o_proj.weight"].copy_(take(hf + "self_attn.o_proj.weight"))
+                own[p + "mlp.gate_up_proj.weight"].copy_(torch.cat(
+                    [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")]))
+                own[p + "mlp.down_proj.weight"].copy_(take(hf + "mlp.down_proj.weight"))
+        unused = sorted(set(weights) - used - {k for k in weights if "rotary_emb" in k})
+        if unused:
+            raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")

@@ -1,0 +1,162 @@
+"""Turn a model name (preset, HF directory or .gguf file) into config + HF-named weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shoal.model.config import ModelConfig
+from shoal.model.presets import PRESETS, cache_dir, fetch_preset
+
+
+@dataclass
+class ModelSource:
+    """What a loader found: everything the engine needs to build the model and tokenizer."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF Llama names, float32, on CPU
+    checksum: str  # hex digest of the weight files: part of the model identity
+    tokenizer_dir: Path  # where transformers finds the tokenizer
+    gguf_file: str | None  # tokenizer file name inside tokenizer_dir, for GGUF models
+
+
+def resolve_model_path(model: str) -> Path:
+    """Preset names are fetched into the cache; anything else must exist on disk."""
+    if model in PRESETS:
+        return fetch_preset(model)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor an existing HF directory or .gguf file")
+    return path
+
+
+def load_model_source(model: str) -> ModelSource:
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _load_hf_dir(path)
+    raise ValueError(f"model path {str(path)!r} is not a .gguf file or a directory with config.json")
+
+
+def file_checksum(paths: list[Path]) -> str:
+    """blake2b over the files' bytes, remembered per (path, size, mtime) in the cache dir."""
+    memo_path = cache_dir() / "checksums.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    digest = hashlib.blake2b(digest_size=16)
+    changed = False
+    for p in sorted(paths):
+        st = p.stat()
+        memo_key = f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if memo_key not in memo:
+            h = hashlib.blake2b(digest_size=16)
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+            memo[memo_key] = h.hexdigest()
+            changed = True
+        digest.update(memo[memo_key].encode())
+    if changed:
+        try:
+            memo_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = memo_path.with_suffix(f".{id(memo)}.tmp")
+            tmp.write_text(json.dumps(memo))
+            tmp.replace(memo_path)
+        except OSError:
+            pass  # the memo only saves time; a read-only cache is fine
+    return digest.hexdigest()
+
+
+def _load_hf_dir(path: Path) -> ModelSource:
+    from safetensors.torch import load_file
+
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    return ModelSource(config, weights, file_checksum(files), path, None)
+
+
+_GGUF_NAMES = {  # GGUF tensor suffix -> HF Llama name suffix
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (it interleaves the two RoPE halves per head)."""
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _load_gguf(path: Path) -> ModelSource:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+
+    def field(name: str, default=None):
+        f = reader.fields.get(name)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path}: GGUF rope_freqs (llama3 scaling) is not supported; "
+                         "load the HF directory of this model instead")
+    num_heads = field("llama.attention.head_count")
+    hidden = field("llama.embedding_length")
+    eos = field("tokenizer.ggml.eos_token_id")
+    config = ModelConfig(
+        vocab_size=tensors["token_embd.weight"].shape[1].item(),
+        hidden_size=hidden,
+        intermediate_size=field("llama.feed_forward_length"),
+        num_layers=field("llama.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=field("llama.attention.head_count_kv", num_heads),
+        head_dim=field("llama.rope.dimension_count", hidden // num_heads),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=field("llama.context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
+        if name.endswith("attn_q.weight"):
+            w = _unpermute(w, config.num_heads)
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute(w, config.num_kv_heads)
+        weights[_hf_name(name)] = torch.from_numpy(np.require(w, requirements=['C', 'W']))
+    return ModelSource(config, weights, file_checksum([path]), path.parent, path.name)
+
+
+def _hf_name(gguf_name: str) -> str:
+    fixed = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    _, layer, part, kind = gguf_name.split(".")
+    if part not in _GGUF_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"

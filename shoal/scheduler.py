@@ -1,0 +1,208 @@
+"""Continuous batching with chunked prefill and preemption by recompute (one owner)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from shoal.kv_cache_manager import KVCacheManager, cdiv
+from shoal.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """The slice of one request computed by a step."""
+
+    request: Request
+    start: int  # first position computed (num_computed_tokens before this step)
+    num_tokens: int  # positions [start, start + num_tokens) run through the model
+    token_ids: list[int]  # known ids of those positions; the trailing placeholders are missing
+    num_placeholders: int  # trailing positions whose ids the step in flight samples (overlap)
+    block_ids: list[int]  # snapshot of the request's blocks when scheduled
+    samples: bool  # the chunk reaches the end of the known tokens: sample one token
+    epoch: int  # request.num_preemptions when scheduled (a later preemption makes it stale)
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes."""
+
+    chunks: list[ScheduledChunk]
+    num_tokens: int  # sum of chunk.num_tokens (<= max_num_tokens)
+    num_preempted: int  # requests preempted while building this batch
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int,
+                 max_model_len: int):
+        self.kv = kv
+        self.max_num_tokens = max_num_tokens
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._deferred_free: list[Request] = []  # finished while a later step may touch blocks
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> str | None:
+        """Queue a request; returns an error message (and queues nothing) if it can never run."""
+        if not req.prompt_token_ids:
+            return "the prompt is empty"
+        if req.num_prompt_tokens > self.max_model_len:
+            return (f"the prompt has {req.num_prompt_tokens} tokens, more than the model's "
+                    f"context of {self.max_model_len}")
+        need = cdiv(req.num_prompt_tokens + 1, self.kv.block_size)
+        if need > self.kv.pool.num_blocks:
+            return (f"the prompt needs {need} KV blocks, more than the cache's "
+                    f"{self.kv.pool.num_blocks}")
+        self.kv.update_block_keys(req)
+        self.waiting.append(req)
+        return None
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_tokens
+        chunks: list[ScheduledChunk] = []
+        num_preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(self._num_schedulable(req), budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, num_new):
+                victim = self.running.pop()  # the newest request yields first
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                chunks.append(self._make_chunk(req, num_new))
+                budget -= num_new
+                i += 1
+        while (self.waiting and budget > 0 and not num_preempted
+               and len(self.running) < self.max_batch_size):
+            req = self.waiting[0]
+            assert req.num_inflight_tokens == 0 and not req.block_ids, req.request_id
+            hits = self.kv.find_cached_prefix(req)
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate(req, num_new, hits):
+                break  # first come, first served: later requests wait too
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_local_prefix_tokens is None:
+                req.num_local_prefix_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._make_chunk(req, num_new))
+            budget -= num_new
+        return ScheduledBatch(chunks, self.max_num_tokens - budget, num_preempted)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int], defer_free: bool) -> list[Request]:
+        """Apply a finished step: register computed blocks, append samples, finish requests.
+
+        `sampled` holds one token per sampling chunk, in chunk order. With defer_free the
+        blocks of requests finishing now are released at the next update (a step already in
+        flight may still write them)."""
+        self.release_deferred()
+        finished = []
+        tokens = iter(sampled)
+        for chunk in batch.chunks:
+            req = chunk.request
+            is_current = chunk.epoch == req.num_preemptions and req.status == RequestStatus.RUNNING
+            if is_current:
+                self.kv.cache_computed_blocks(req, chunk.start + chunk.num_tokens)
+            if not chunk.samples:
+                continue
+            token = next(tokens)
+            req.num_inflight_tokens -= 1
+            if req.is_finished:
+                continue  # the overlap loop ran one step past a stop token
+            req.output_token_ids.append(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.perf_counter()
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason, defer_free=defer_free)
+                finished.append(req)
+        return finished
+
+    def finish(self, req: Request, reason: str, error: str | None = None,
+               defer_free: bool = False) -> None:
+        """End a request: out of the queues, blocks released (now or at the next update)."""
+        req.finish_reason, req.error = reason, error
+        req.metrics.finish_time = time.perf_counter()
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        if req.block_ids and defer_free:
+            self._deferred_free.append(req)
+        elif req.block_ids:
+            self.kv.free(req)
+
+    def release_deferred(self) -> None:
+        """Free blocks held back for a step in flight (call once no step is in flight)."""
+        ready, self._deferred_free = self._deferred_free, []
+        for req in ready:
+            self.kv.free(req)
+
+    def check_integrity(self) -> None:
+        """Every block reference is held by exactly one live request; queues are consistent."""
+        self.kv.check_integrity()
+        holders = self.running + self._deferred_free
+        refs = Counter(b for req in holders for b in req.block_ids)
+        for block in self.kv.pool.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, "
+                f"held by {refs[block.block_id]} requests")
+        for req in self.waiting:
+            assert req.status == RequestStatus.WAITING and not req.block_ids, req.request_id
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING, req.request_id
+            assert len(req.block_ids) * self.kv.block_size >= req.num_computed_tokens, (
+                f"{req.request_id}: {len(req.block_ids)} blocks for "
+                f"{req.num_computed_tokens} computed tokens")
+
+    def _num_schedulable(self, req: Request) -> int:
+        """Tokens a running request can compute now (0 when it is done but not yet updated)."""
+        if (len(req.output_token_ids) + req.num_inflight_tokens >= req.sampling.max_tokens
+                or req.num_known_tokens > self.max_model_len):
+            return 0
+        return req.num_known_tokens - req.num_computed_tokens
+
+    def _make_chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+        token_ids = req.token_ids(start, end)
+        samples = end == req.num_known_tokens
+        req.num_computed_tokens = end
+        if samples:
+            req.num_inflight_tokens += 1
+        return ScheduledChunk(req, start, num_new, token_ids, num_new - len(token_ids),
+                              list(req.block_ids), samples, req.num_preemptions)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        if token in req.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= req.sampling.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
