@@ -80,8 +80,7 @@ class Engine:
                                    max_model_len)
         self.executor = Executor(self.scheduler, ModelRunner(self.model, self.kv_cache, self.device),
                                  config.overlap_scheduler)
-        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._ids = itertools.count()
         self._rejected: list[Request] = []
         self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",

@@ -32,24 +32,24 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         return self.pool.lookup(req.block_keys[:max_blocks])
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
-        needed = self._num_new_blocks(req, num_new_tokens, cached_block_ids)
-        # cached blocks sitting in the free queue stop being free once touched
-        reclaimed = sum(self.pool.is_free(b) for b in cached_block_ids)
-        return needed + reclaimed <= self.pool.num_free_blocks
-
     def allocate(self, req: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Hold `cached_block_ids` (a prefix hit, only for a request with no blocks) and grow the
-        request's blocks to cover num_computed_tokens + num_new_tokens. False = not enough free."""
-        if not self.can_allocate(req, num_new_tokens, cached_block_ids):
+        request's blocks to cover its computed tokens (at least the hit) + num_new_tokens.
+        False (and nothing changes) when there are not enough free blocks."""
+        held = len(req.block_ids) + len(cached_block_ids)
+        num_tokens = max(req.num_computed_tokens, len(cached_block_ids) * self.block_size)
+        num_needed = max(cdiv(num_tokens + num_new_tokens, self.block_size) - held, 0)
+        # cached blocks sitting in the free queue stop being free once touched
+        num_reclaimed = sum(self.pool.is_free(b) for b in cached_block_ids)
+        if num_needed + num_reclaimed > self.pool.num_free_blocks:
             return False
         if cached_block_ids:
             assert not req.block_ids, f"{req.request_id}: prefix hit for a request holding blocks"
             self.pool.touch(list(cached_block_ids))
             req.block_ids = list(cached_block_ids)
             req.num_cached_blocks = len(cached_block_ids)
-        new = self.pool.allocate(self._num_new_blocks(req, num_new_tokens, ()))
-        assert new is not None, "can_allocate said yes"
+        new = self.pool.allocate(num_needed)
+        assert new is not None, f"{num_needed} blocks checked free but not allocatable"
         req.block_ids.extend(new)
         return True
 
@@ -68,11 +68,6 @@ class KVCacheManager:
         self.pool.free(list(reversed(req.block_ids)))
         req.block_ids = []
         req.num_cached_blocks = 0
-
-    def _num_new_blocks(self, req: Request, num_new_tokens: int, cached_block_ids) -> int:
-        held = len(req.block_ids) + len(cached_block_ids)
-        num_tokens = max(req.num_computed_tokens, len(cached_block_ids) * self.block_size)
-        return max(cdiv(num_tokens + num_new_tokens, self.block_size) - held, 0)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -110,7 +110,8 @@ class LLM:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            text=self.tokenizer.decode(req.output_token_ids), token_ids=list(req.output_token_ids),
+            text=self.tokenizer.decode(req.output_token_ids) if self.tokenizer.is_available else "",
+            token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason, error=req.error, metrics=req.metrics,
             num_local_prefix_tokens=req.num_local_prefix_tokens or 0,
             num_connector_tokens=req.num_connector_tokens)

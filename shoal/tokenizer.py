@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 
 from shoal.model.presets import cache_dir
@@ -11,27 +13,58 @@ log = logging.getLogger(__name__)
 
 
 class Tokenizer:
-    """Thin wrapper; GGUF tokenizers are converted once and cached as HF files."""
+    """Thin wrapper, loaded on first use (token-id prompts never need it). GGUF tokenizers are
+    converted once and cached as HF files."""
 
     def __init__(self, tokenizer_dir: Path, gguf_file: str | None, checksum: str):
-        from transformers import AutoTokenizer
-
-        if gguf_file is None:
-            self._tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        else:
-            converted = cache_dir() / "tokenizers" / checksum
-            try:
-                self._tok = AutoTokenizer.from_pretrained(str(converted))
-            except (OSError, ValueError):
-                self._tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), gguf_file=gguf_file)
-                try:
-                    self._tok.save_pretrained(str(converted))
-                except OSError as e:
-                    log.warning("could not cache the converted tokenizer in %s: %s", converted, e)
+        self._dir, self._gguf_file, self._checksum = tokenizer_dir, gguf_file, checksum
+        self._loaded = None
+        self._error: ValueError | None = None
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self._tok.eos_token_id
+    def _tok(self):
+        if self._error is not None:
+            raise self._error
+        if self._loaded is None:
+            try:
+                self._loaded = self._load()
+            except ValueError as e:
+                self._error = e
+                raise
+        return self._loaded
+
+    @property
+    def is_available(self) -> bool:
+        """False for checkpoints without tokenizer files (token-id prompts still work)."""
+        try:
+            self._tok
+        except ValueError:
+            return False
+        return True
+
+    def _load(self):
+        from transformers import AutoTokenizer
+
+        if self._gguf_file is None:
+            try:
+                return AutoTokenizer.from_pretrained(str(self._dir))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"model {self._dir} has no usable tokenizer ({e}); "
+                                 "give prompts as token ids") from e
+        converted = cache_dir() / "tokenizers" / self._checksum
+        try:
+            return AutoTokenizer.from_pretrained(str(converted))
+        except (OSError, ValueError):
+            tok = AutoTokenizer.from_pretrained(str(self._dir), gguf_file=self._gguf_file)
+            partial = converted.with_name(f"{converted.name}.tmp-{os.getpid()}")
+            try:
+                tok.save_pretrained(str(partial))
+                os.rename(partial, converted)  # whole directory or nothing for other processes
+            except OSError as e:
+                shutil.rmtree(partial, ignore_errors=True)
+                if not converted.is_dir():
+                    log.warning("could not cache the converted tokenizer in %s: %s", converted, e)
+            return tok
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True)

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random Llama checkpoints, the real SmolLM2, transformers references."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_CONFIGS = {
+    # name -> LlamaConfig overrides; every config is small enough to build in a second
+    "gqa_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "mha_untied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama3_rope": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                        max_position_embeddings=512,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}),
+}
+
+
+def make_tiny_llama(path: Path, name: str, seed: int = 0) -> Path:
+    """Save a random Llama checkpoint (config.json + safetensors) under `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                  initializer_range=0.15)
+    cfg = LlamaConfig(**{**fields, **TINY_CONFIGS[name]})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_llama(root / name, name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> str:
+    return str(tiny_models["gqa_tied"])
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int,
+              eos_token_id: int | None = None) -> list[int]:
+    """transformers greedy generation for one prompt (no padding involved)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                             pad_token_id=0 if eos_token_id is None else eos_token_id,
+                             temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The real default model's GGUF (fetched into the cache on first use)."""
+    from shoal.model.presets import fetch_preset
+    return str(fetch_preset("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' own GGUF loader: an independent dequantization of the same file."""
+    from transformers import AutoModelForCausalLM
+    p = Path(smollm2_path)
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """One shared SmolLM2 engine (plain loop) for tests that do not care about the knobs."""
+    from shoal import LLM
+    llm = LLM(smollm2_path, overlap_scheduler=False, num_kv_blocks=512)
+    yield llm
+    llm.shutdown()
