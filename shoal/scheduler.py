@@ -44,6 +44,9 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
+        # A request may grow only as far as the cache holds it alone: past that it could
+        # never run, so it stops with "length" like at the end of the context.
+        self.max_request_len = min(max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._deferred_free: list[Request] = []  # finished while a later step may touch blocks
@@ -60,8 +63,8 @@ class Scheduler:
         if req.num_prompt_tokens > self.max_model_len:
             return (f"the prompt has {req.num_prompt_tokens} tokens, more than the model's "
                     f"context of {self.max_model_len}")
-        need = cdiv(req.num_prompt_tokens + 1, self.kv.block_size)
-        if need > self.kv.pool.num_blocks:
+        if req.num_prompt_tokens > self.max_request_len:
+            need = cdiv(req.num_prompt_tokens, self.kv.block_size)
             return (f"the prompt needs {need} KV blocks, more than the cache's "
                     f"{self.kv.pool.num_blocks}")
         self.kv.update_block_keys(req)
@@ -178,7 +181,7 @@ class Scheduler:
     def _num_schedulable(self, req: Request) -> int:
         """Tokens a running request can compute now (0 when it is done but not yet updated)."""
         if (len(req.output_token_ids) + req.num_inflight_tokens >= req.sampling.max_tokens
-                or req.num_known_tokens > self.max_model_len):
+                or req.num_known_tokens > self.max_request_len):
             return 0
         return req.num_known_tokens - req.num_computed_tokens
 
@@ -203,6 +206,7 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int) -> str | None:
         if token in req.stop_token_ids:
             return "stop"
-        if len(req.output_token_ids) >= req.sampling.max_tokens or req.num_tokens >= self.max_model_len:
+        if (len(req.output_token_ids) >= req.sampling.max_tokens
+                or req.num_tokens >= self.max_request_len):
             return "length"
         return None

@@ -51,7 +51,7 @@ def tiny_model(tiny_models) -> str:
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int,
               eos_token_id: int | None = None) -> list[int]:
     """transformers greedy generation for one prompt (no padding involved)."""
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,

@@ -101,13 +101,18 @@ class Attention(nn.Module):
         k_cache[meta.slot_block_ids, meta.slot_offsets] = k
         v_cache[meta.slot_block_ids, meta.slot_offsets] = v
 
-        out = torch.empty_like(q)  # [T, Hq, D]
-        if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], meta, k_cache, v_cache)
-        for seq in meta.prefills:
-            rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-            out[rows] = self._prefill(q[rows], seq, k_cache, v_cache)
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        if not meta.prefills:  # steady-state decode: every row is one request's next token
+            out = self._decode(q, meta, k_cache, v_cache)
+        elif meta.decode_rows is None and len(meta.prefills) == 1:
+            out = self._prefill(q, meta.prefills[0], k_cache, v_cache)
+        else:
+            out = torch.empty_like(q)  # [T, Hq, D]
+            if meta.decode_rows is not None:
+                out[meta.decode_rows] = self._decode(q[meta.decode_rows], meta, k_cache, v_cache)
+            for seq in meta.prefills:
+                rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
+                out[rows] = self._prefill(q[rows], seq, k_cache, v_cache)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         # block_ids [..., nb] -> [..., Hkv, nb*block_size, D]

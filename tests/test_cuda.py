@@ -1,0 +1,45 @@
+"""The CUDA path: the same equality with transformers on a GPU (skipped without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal import LLM, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_llama_on_cuda_matches_transformers(tiny_models, overlap):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["gqa_tied"]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("cuda")
+    prompts = random_prompts(512, [1, 5, 17, 40, 90])
+    expected = [hf_greedy(ref, p, 24) for p in prompts]
+    with LLM(str(path), device="cuda", block_size=4, num_kv_blocks=128, max_num_tokens=16,
+             overlap_scheduler=overlap) as llm:
+        assert llm.engine.kv_cache.tensor.is_cuda
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24))
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_smollm2_on_cuda_matches_transformers(smollm2_path, smollm2_hf):
+    ref = smollm2_hf.to("cuda")
+    try:
+        with LLM(smollm2_path, device="cuda", num_kv_blocks=256) as llm:
+            tok = llm.tokenizer
+            prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+                       for q in ("What is the capital of France?", "Name three primary colors.")]
+            prompts.append(tok.encode("The lighthouse keeper climbed the stairs. " * 20))
+            outs = llm.generate(prompts, SamplingParams(max_tokens=20))
+            llm.check_integrity()
+        expected = [hf_greedy(ref, p, 20, eos_token_id=2) for p in prompts]
+    finally:
+        smollm2_hf.to("cpu")
+    assert [o.token_ids for o in outs] == expected
+    assert "Paris" in outs[0].text
