@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.connectors.base import ConnectorConfig
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,6 +30,7 @@ class EngineConfig:
     dtype: str = "float32"  # weights and KV cache
     dp_size: int = 1  # attention data-parallel ranks
     tp_size: int = 1  # tensor-parallel ranks
+    kv_connector: ConnectorConfig | None = None  # the KV pool connector; None = no pool
 
     def __post_init__(self) -> None:
         _int_at_least("block_size", self.block_size, 1, 4096)
@@ -50,6 +53,9 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} but no CUDA device is available")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a preset name or a path, got {self.model!r}")
+        if self.kv_connector is not None and not isinstance(self.kv_connector, ConnectorConfig):
+            raise ValueError("kv_connector must be a shoal.connectors.ConnectorConfig, got "
+                             f"{type(self.kv_connector).__name__}")
         if self.dp_size > 1 or self.tp_size > 1:
             raise ValueError(f"dp_size={self.dp_size}, tp_size={self.tp_size}: several ranks are "
                              "not available in this version (allowed: 1)")

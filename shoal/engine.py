@@ -11,6 +11,8 @@ import torch
 
 from shoal.block_keys import make_namespace
 from shoal.config import EngineConfig
+from shoal.connectors.base import ConnectorContext, KVCacheRegistration
+from shoal.connectors.manager import ConnectorManager
 from shoal.executor import Executor
 from shoal.kv_cache import KVCache, KVCacheLayout
 from shoal.kv_cache_manager import KVCacheManager
@@ -30,6 +32,7 @@ STAT_KEYS = (
     "bytes_loaded", "bytes_saved", "load_seconds", "save_seconds", "corrupt_blocks",
     "load_failures_recomputed", "deadline_expiries", "cancellations",
     "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
+    "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved", "load_gbps", "save_gbps",
 )
 
 
@@ -76,10 +79,17 @@ class Engine:
         self.info = EngineInfo(num_blocks, layout.block_nbytes, max_model_len, namespace.hex())
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, namespace,
                                          config.enable_prefix_caching)
+        self.connector = None
+        if config.kv_connector is not None:
+            ctx = ConnectorContext(rank=0, world_size=1, owner_rank=0, mode="single",
+                                   block_size=config.block_size, namespace=namespace.hex(),
+                                   device=str(self.device))
+            self.connector = ConnectorManager(config.kv_connector, ctx, KVCacheRegistration(
+                self.kv_cache.tensor, layout), self.kv_manager.pool)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
-                                   max_model_len)
+                                   max_model_len, self.connector)
         self.executor = Executor(self.scheduler, ModelRunner(self.model, self.kv_cache, self.device),
-                                 config.overlap_scheduler)
+                                 config.overlap_scheduler, self.connector)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._ids = itertools.count()
         self._rejected: list[Request] = []
@@ -122,6 +132,11 @@ class Engine:
         s["forward_passes"] = self.executor.num_forward_passes
         s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
         s["preemptions"] = self.scheduler.num_preemptions
+        if self.connector is not None:
+            s.update(self.connector.stats())
+        for kind, moved in (("load", "bytes_loaded"), ("save", "bytes_saved")):
+            secs = s[f"{kind}_seconds"]  # summed over I/O threads
+            s[f"{kind}_gbps"] = s[moved] / secs / 1e9 if secs else 0.0
         return s
 
     def check_integrity(self) -> None:
@@ -129,3 +144,5 @@ class Engine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()

@@ -4,17 +4,33 @@ Plain: each step runs its batch and applies the results before the next schedule
 Overlap: step N+1 is scheduled and launched on the worker thread while step N's forward
 runs; N's results are applied after N+1 is launched. Tokens a step needs but the
 scheduler has not seen yet are placeholders the runner fills from the previous step.
-Both loops run the same runner code, so outputs are identical.
+Both loops run the same `_execute`, so outputs are identical.
+
+With a connector, `_execute` also runs the worker-side hooks around the forward and
+polls for finished transfers; a step with nothing to compute still runs them while
+transfers are pending (no forward pass then).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from shoal.connectors.manager import ConnectorManager, TransferReport
 from shoal.model_runner import ModelRunner
 from shoal.request import Request
 from shoal.scheduler import ScheduledBatch, Scheduler
+
+IDLE_POLL_SECONDS = 0.0005  # pause of a step that only waits for transfers
+
+
+@dataclass
+class StepOutput:
+    """What executing one batch produced (on the executing thread)."""
+
+    sampled: list[int]  # one token per sampling chunk, in chunk order
+    transfers: TransferReport | None  # the connector's poll at the end of the step
 
 
 @dataclass
@@ -24,13 +40,15 @@ class StepResult:
 
 
 class Executor:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool,
+                 connector: ConnectorManager | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.overlap = overlap
+        self.connector = connector
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="shoal-forward") if overlap else None
         self._inflight: tuple[ScheduledBatch, Future] | None = None
-        self._finished_ids: list[str] = []  # runner state to drop once no step can need it
+        self._forget_ids: list[str] = []  # runner state to drop once no step can need it
         self.num_iterations = 0
         self.num_forward_passes = 0
 
@@ -41,50 +59,61 @@ class Executor:
     def step(self) -> StepResult:
         self.num_iterations += 1
         batch = self.scheduler.schedule()
+        runs = not batch.is_empty or batch.has_transfers  # else: an idle step, nothing to run
         if self.overlap:
-            finished = self._overlap_step(batch)
-        elif batch.is_empty:
-            finished = []
+            finished = self._overlap_step(batch if runs else None)
         else:
-            self.num_forward_passes += 1
-            finished = self.scheduler.update(batch, self.runner.execute(batch), defer_free=False)
-            self._forget(finished)
+            finished = self._update(batch, self._execute(batch, []), defer_free=False) if runs else []
+        if batch.is_empty and batch.has_transfers:
+            time.sleep(IDLE_POLL_SECONDS)  # only waiting for the connector: do not spin
         return StepResult(finished, batch.num_tokens)
 
-    def _overlap_step(self, batch: ScheduledBatch) -> list[Request]:
+    def _overlap_step(self, batch: ScheduledBatch | None) -> list[Request]:
+        # Runner state of requests that ended before the step in flight was launched: that step
+        # may still read it, the one launched now runs after it.
         launched = None
-        if not batch.is_empty:
-            self.num_forward_passes += 1
-            forget, self._finished_ids = self._finished_ids, []
-            launched = self._worker.submit(self._run, batch, forget)
+        if batch is not None:
+            forget, self._forget_ids = self._forget_ids, []
+            launched = self._worker.submit(self._execute, batch, forget)
         finished: list[Request] = []
         if self._inflight is not None:
             prev_batch, prev_future = self._inflight
-            finished = self.scheduler.update(prev_batch, prev_future.result(),
-                                             defer_free=launched is not None)
+            finished = self._update(prev_batch, prev_future.result(), defer_free=launched is not None)
         self._inflight = None if launched is None else (batch, launched)
         if launched is None:
             self.scheduler.release_deferred()
-            self._forget([r for r in finished])
-        else:
-            self._finished_ids.extend(r.request_id for r in finished)
         return finished
 
-    def _run(self, batch: ScheduledBatch, forget: list[str]) -> list[int]:
-        for request_id in forget:
+    def _execute(self, batch: ScheduledBatch, forget_ids: list[str]) -> StepOutput:
+        """One step's work on the executing thread: connector hooks around the forward."""
+        for request_id in forget_ids:
             self.runner.forget(request_id)
-        return self.runner.execute(batch)
+        if self.connector is not None:
+            self.connector.begin_step(batch.connector_meta)
+        sampled = []
+        if not batch.is_empty:
+            self.num_forward_passes += 1
+            hooks = self.connector.worker if self.connector is not None else None
+            sampled = self.runner.execute(batch, hooks)
+        report = None
+        if self.connector is not None:
+            report = self.connector.end_step(batch.saving_ids, batch.loading_ids)
+        return StepOutput(sampled, report)
 
-    def _forget(self, finished: list[Request]) -> None:
-        for req in finished:
-            self.runner.forget(req.request_id)
-        for request_id in self._finished_ids:
-            self.runner.forget(request_id)
-        self._finished_ids = []
+    def _update(self, batch: ScheduledBatch, out: StepOutput, defer_free: bool) -> list[Request]:
+        finished = self.scheduler.update(batch, out.sampled, defer_free)
+        if out.transfers is not None:
+            finished += self.scheduler.apply_transfers(out.transfers, defer_free)
+        if defer_free:  # a step is in flight: forget with the next launch
+            self._forget_ids.extend(r.request_id for r in finished)
+        else:
+            for request_id in [*self._forget_ids, *(r.request_id for r in finished)]:
+                self.runner.forget(request_id)
+            self._forget_ids = []
+        return finished
 
     def shutdown(self) -> None:
-        if self._inflight is not None:
-            self._inflight[1].result()
-            self._inflight = None
+        while self._inflight is not None:
+            self._overlap_step(None)
         if self._worker is not None:
             self._worker.shutdown(wait=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
 from shoal.config import EngineConfig
+from shoal.connectors.base import ConnectorConfig
 from shoal.engine import Engine
 from shoal.request import Request, RequestOutput
 from shoal.sampling import SamplingParams
@@ -14,8 +16,8 @@ Prompt = str | Sequence[int]  # text, or token ids used as they are
 
 
 class LLM:
-    """An inference engine. Keyword arguments are those of `EngineConfig`, plus the pool
-    options (`kv_pool`, `kv_connector`), which this version does not provide yet."""
+    """An inference engine. Keyword arguments are those of `EngineConfig`; `kv_pool=DIR` is
+    shorthand for `kv_connector=ConnectorConfig(name="fs", options={"root": DIR})`."""
 
     def __init__(self, model: str = "smollm2", *, kv_pool: str | None = None,
                  kv_connector=None, dp_size: int = 1, tp_size: int = 1, block_size: int = 16,
@@ -24,15 +26,18 @@ class LLM:
                  max_model_len: int | None = None, overlap_scheduler: bool = True,
                  enable_prefix_caching: bool = True, device: str = "cpu",
                  dtype: str = "float32"):
-        if kv_pool is not None or kv_connector is not None:
-            raise ValueError("kv_pool / kv_connector: the KV pool is not available in this "
-                             "version (allowed: None)")
+        if kv_pool is not None and kv_connector is not None:
+            raise ValueError("give kv_pool or kv_connector, not both")
+        if kv_pool is not None:
+            if not isinstance(kv_pool, (str, os.PathLike)) or not str(kv_pool):
+                raise ValueError(f"kv_pool must be a directory path, got {kv_pool!r}")
+            kv_connector = ConnectorConfig(name="fs", options={"root": str(kv_pool)})
         self.config = EngineConfig(
             model=model, block_size=block_size, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb,
             max_model_len=max_model_len, overlap_scheduler=overlap_scheduler,
             enable_prefix_caching=enable_prefix_caching, device=device, dtype=dtype,
-            dp_size=dp_size, tp_size=tp_size)
+            dp_size=dp_size, tp_size=tp_size, kv_connector=kv_connector)
         self._engine: Engine | None = Engine(self.config)
         self.tokenizer = self._engine.tokenizer
 

@@ -24,11 +24,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.last_sampled: dict[str, int] = {}  # request id -> its latest sampled token
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Run one step; returns one sampled token per sampling chunk, in chunk order."""
+    def execute(self, batch: ScheduledBatch, layer_hooks=None) -> list[int]:
+        """Run one step; returns one sampled token per sampling chunk, in chunk order.
+        `layer_hooks` (a connector worker) is called around every layer."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
             logits = self.model.compute_logits(hidden[sample_rows])
         sampling = [c for c in batch.chunks if c.samples]
         tokens = self.sampler.sample(logits, [c.request.request_id for c in sampling],

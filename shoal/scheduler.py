@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from shoal.connectors.manager import ConnectorManager, TransferReport
 from shoal.kv_cache_manager import KVCacheManager, cdiv
 from shoal.request import Request, RequestStatus
 
@@ -31,16 +33,25 @@ class ScheduledBatch:
     chunks: list[ScheduledChunk]
     num_tokens: int  # sum of chunk.num_tokens (<= max_num_tokens)
     num_preempted: int  # requests preempted while building this batch
+    connector_meta: Any = None  # the connector's plan for this step (None without one)
+    saving_ids: list[str] = field(default_factory=list)  # pending saves to poll after it
+    loading_ids: list[str] = field(default_factory=list)  # pending loads to poll after it
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def has_transfers(self) -> bool:
+        """The connector has something to do or poll even if nothing is computed."""
+        return bool(self.saving_ids or self.loading_ids)
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int,
-                 max_model_len: int):
+                 max_model_len: int, connector: ConnectorManager | None = None):
         self.kv = kv
+        self.connector = connector
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
@@ -49,12 +60,14 @@ class Scheduler:
         self.max_request_len = min(max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_LOAD: blocks held, in no batch
+        self.saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
         self._deferred_free: list[Request] = []  # finished while a later step may touch blocks
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self.saving)
 
     def add(self, req: Request) -> str | None:
         """Queue a request; returns an error message (and queues nothing) if it can never run."""
@@ -93,23 +106,36 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         while (self.waiting and budget > 0 and not num_preempted
-               and len(self.running) < self.max_batch_size):
+               and len(self.running) + len(self.loading) < self.max_batch_size):
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0 and not req.block_ids, req.request_id
             hits = self.kv.find_cached_prefix(req)
             num_cached = len(hits) * self.kv.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_external = self.connector.match(req, num_cached)[0] if self.connector else 0
+            # A pool load fills its blocks first; the request computes from the next step on
+            # (so a failed load is known before any forward reads those blocks).
+            num_new = num_external or min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req, num_new, hits):
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
             if req.num_local_prefix_tokens is None:
                 req.num_local_prefix_tokens = num_cached
+            if self.connector:
+                self.connector.after_alloc(req, num_cached, num_external)
+            if num_external:
+                req.status = RequestStatus.WAITING_FOR_LOAD
+                self.loading[req.request_id] = req
+                continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._make_chunk(req, num_new))
             budget -= num_new
-        return ScheduledBatch(chunks, self.max_num_tokens - budget, num_preempted)
+        batch = ScheduledBatch(chunks, self.max_num_tokens - budget, num_preempted)
+        if self.connector:
+            batch.connector_meta = self.connector.build_meta(chunks)
+            batch.saving_ids, batch.loading_ids = list(self.saving), list(self.loading)
+        return batch
 
     def update(self, batch: ScheduledBatch, sampled: list[int], defer_free: bool) -> list[Request]:
         """Apply a finished step: register computed blocks, append samples, finish requests.
@@ -149,7 +175,43 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_LOAD:
+            del self.loading[req.request_id]
+        if self.connector is not None and self.connector.on_finish(req):
+            req.status = RequestStatus.SAVING  # blocks stay held until the save is reported
+            self.saving[req.request_id] = req
+            return
         req.status = RequestStatus.FINISHED
+        self._release(req, defer_free)
+
+    def apply_transfers(self, report: TransferReport, defer_free: bool) -> list[Request]:
+        """Finished loads join the running requests (or fail); finished saves release their
+        blocks. Returns requests that ended here (a load failing under policy "fail")."""
+        ended = []
+        for rid in sorted(report.finished_loading):
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue  # reported by an earlier poll already (the overlap loop polls twice)
+            num_ok, error = self.connector.load_result(req, report)
+            req.status = RequestStatus.RUNNING
+            if error is not None:
+                self.running.append(req)
+                self.finish(req, "error", error, defer_free)
+                ended.append(req)
+                continue
+            req.num_connector_tokens = num_ok - req.num_computed_tokens
+            req.num_computed_tokens = num_ok
+            self.kv.cache_computed_blocks(req, num_ok)
+            self.running.append(req)
+        for rid in sorted(report.finished_saving):
+            req = self.saving.pop(rid, None)
+            if req is not None:
+                req.status = RequestStatus.FINISHED
+                self._release(req, defer_free)
+                self.connector.release_pins(rid)
+        return ended
+
+    def _release(self, req: Request, defer_free: bool) -> None:
         if req.block_ids and defer_free:
             self._deferred_free.append(req)
         elif req.block_ids:
@@ -164,8 +226,11 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every block reference is held by exactly one live request; queues are consistent."""
         self.kv.check_integrity()
-        holders = self.running + self._deferred_free
+        holders = [*self.running, *self._deferred_free, *self.loading.values(),
+                   *self.saving.values()]
         refs = Counter(b for req in holders for b in req.block_ids)
+        if self.connector is not None:
+            refs.update(self.connector.pinned_block_refs())
         for block in self.kv.pool.blocks:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, "
@@ -196,6 +261,8 @@ class Scheduler:
                               list(req.block_ids), samples, req.num_preemptions)
 
     def _preempt(self, req: Request) -> None:
+        if self.connector is not None:
+            self.connector.on_preempt(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -189,17 +189,23 @@ class LlamaModel(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_layers):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_layers, layer_hooks=None):
         """input_ids/positions [T] -> hidden states [T, hidden].
 
         kv_layers[i] = (k_cache, v_cache) views of layer i, each [num_blocks, block_size, Hkv, D].
+        layer_hooks: an object with wait_for_layer_load(i) / save_kv_layer(i) (a connector
+        worker), called before and after layer i.
         """
         x = self.embed_tokens(input_ids)
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_layers):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
+            if layer_hooks is not None:
+                layer_hooks.wait_for_layer_load(i)
             x = layer(x, cos, sin, meta, k_cache, v_cache)
+            if layer_hooks is not None:
+                layer_hooks.save_kv_layer(i)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,308 @@
+"""The built-in filesystem pool connector ("fs"; `LLM(kv_pool=DIR)`).
+
+Content-addressed by block key, shared by any number of processes and ranks, persistent
+across restarts (format and publish protocol: pool_file.py). Options:
+
+    root          pool directory (required; created with owner-only permissions)
+    load_mode     "async" (default: loads run on the I/O threads while other requests
+                  compute) or "sync" (loads run inside start_load_kv)
+    io_threads    I/O worker threads (default 4)
+    max_bytes     optional capacity; the least recently used files are trimmed past it
+
+Only full prompt blocks move (the engine's `block_keys`). A block is saved by the step
+that completes it, unless the pool has it already; a request's load covers the longest
+run of consecutive pool hits after its local prefix hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shoal.connectors import pool_file as pf
+from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
+                                   KvConnectorScheduler, KvConnectorWorker, RequestView,
+                                   SchedulerOutput)
+from shoal.connectors.pool_admin import trim_pool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    request_id: str
+    block_index: int  # position of the block in the request (block i = tokens i*bs ...)
+    block_id: int  # where it lives in the local KV cache
+    key: bytes
+
+
+@dataclass
+class FsPoolMeta:
+    """One step's plan."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)  # pool -> KV, in block order
+    saves: list[BlockTransfer] = field(default_factory=list)  # KV -> pool
+
+
+def _options(config: ConnectorConfig) -> dict:
+    opts = dict(config.options)
+    unknown = set(opts) - {"root", "load_mode", "io_threads", "max_bytes"}
+    if unknown:
+        raise ValueError(f"fs connector: unknown options {sorted(unknown)}")
+    if not opts.get("root"):
+        raise ValueError("fs connector: options['root'] (the pool directory) is required")
+    if opts.setdefault("load_mode", "async") not in ("async", "sync"):
+        raise ValueError(f"fs connector: load_mode must be 'async' or 'sync', got {opts['load_mode']!r}")
+    threads = opts.setdefault("io_threads", 4)
+    if not isinstance(threads, int) or not 1 <= threads <= 64:
+        raise ValueError(f"fs connector: io_threads must be an integer in [1, 64], got {threads!r}")
+    cap = opts.setdefault("max_bytes", None)
+    if cap is not None and (not isinstance(cap, int) or cap <= 0):
+        raise ValueError(f"fs connector: max_bytes must be a positive integer, got {cap!r}")
+    opts["root"] = Path(opts["root"]).expanduser()
+    return opts
+
+
+@dataclass
+class _RequestState:
+    block_ids: list[int]
+    num_checked: int = 0  # leading full blocks already considered for saving
+    has_saves: bool = False
+
+
+class FsPoolScheduler(KvConnectorScheduler):
+    supports_attention_dp = True
+
+    def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
+        super().__init__(config, ctx)
+        opts = _options(config)
+        self.root: Path = opts["root"]
+        self.is_async = opts["load_mode"] == "async"
+        pf.ensure_pool_dirs(self.root)
+        self._matched: dict[str, tuple[int, int]] = {}  # rid -> (first block, num blocks)
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[BlockTransfer] = []
+        self._saving_keys: set[bytes] = set()  # saves this process already scheduled
+        self._stats = dict(pool_lookups=0, pool_hit_blocks=0, pool_miss_blocks=0)
+
+    def get_num_new_matched_tokens(self, request: RequestView,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.ctx.block_size
+        first = num_computed_tokens // bs
+        last = (len(request.prompt_token_ids) - 1) // bs  # never the last prompt token's block
+        hits = 0
+        for i in range(first, min(last, len(request.block_keys))):
+            if not pf.block_path(self.root, request.block_keys[i]).is_file():
+                break
+            hits += 1
+        self._stats["pool_lookups"] += 1
+        self._stats["pool_hit_blocks"] += hits
+        self._stats["pool_miss_blocks"] += max(last - first - hits, 0)
+        if hits == 0:
+            self._matched.pop(request.request_id, None)
+            return 0, False
+        self._matched[request.request_id] = (first, hits)
+        return hits * bs, self.is_async
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int]) -> None:
+        first, num = self._matched.pop(request.request_id, (0, 0))
+        for i in range(first, first + num):
+            self._pending_loads.append(BlockTransfer(request.request_id, i, block_ids[i],
+                                                     request.block_keys[i]))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FsPoolMeta:
+        meta = FsPoolMeta(loads=self._pending_loads)
+        self._pending_loads = []
+        for rd in scheduler_output.new_requests:
+            prev = self._requests.get(rd.request_id)
+            self._requests[rd.request_id] = _RequestState(
+                list(rd.new_block_ids), has_saves=prev is not None and prev.has_saves)
+        for rd in scheduler_output.cached_requests:
+            self._requests[rd.request_id].block_ids.extend(rd.new_block_ids)
+        for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
+            st = self._requests[rd.request_id]
+            full = min((rd.computed_position + rd.num_scheduled_tokens) // self.ctx.block_size,
+                       len(rd.block_keys), len(st.block_ids))
+            for i in range(st.num_checked, full):
+                key = rd.block_keys[i]
+                if key in self._saving_keys or pf.block_path(self.root, key).is_file():
+                    continue
+                self._saving_keys.add(key)
+                meta.saves.append(BlockTransfer(rd.request_id, i, st.block_ids[i], key))
+                st.has_saves = True
+            st.num_checked = max(st.num_checked, full)
+        return meta
+
+    def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
+        self._matched.pop(request.request_id, None)
+        st = self._requests.pop(request.request_id, None)
+        return st is not None and st.has_saves
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+
+class FsPoolWorker(KvConnectorWorker):
+    supports_attention_dp = True
+
+    def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
+        super().__init__(config, ctx)
+        opts = _options(config)
+        self.root: Path = opts["root"]
+        self.is_async = opts["load_mode"] == "async"
+        self.max_bytes: int | None = opts["max_bytes"]
+        self.namespace = bytes.fromhex(ctx.namespace)
+        pf.ensure_pool_dirs(self.root)
+        self._io = ThreadPoolExecutor(opts["io_threads"], thread_name_prefix="shoal-fs-io")
+        self._lock = threading.Lock()
+        self._loads: dict[str, list[Future]] = {}
+        self._saves: dict[str, list[Future]] = {}
+        self._bad_block: dict[str, int] = {}  # rid -> first failed block index (loads pending)
+        self._failed: dict[str, int] = {}  # failures of loads reported finished
+        self._bytes_since_trim = 0
+        self._local = threading.local()
+        self._stats = dict(bytes_loaded=0, bytes_saved=0, load_seconds=0.0, save_seconds=0.0,
+                           corrupt_blocks=0, missing_blocks=0, save_failures=0,
+                           blocks_loaded=0, blocks_saved=0)
+
+    def register_kv_caches(self, kv_caches: KVCacheRegistration) -> None:
+        self.kv = kv_caches.tensor
+        self.layout = kv_caches.layout
+        self.block_shape = tuple(kv_caches.layout.block_shape)
+        self.dtype = kv_caches.layout.dtype
+        self.on_cpu = self.kv.device.type == "cpu"
+
+    def start_load_kv(self) -> None:
+        meta: FsPoolMeta | None = self.get_connector_meta()
+        for t in meta.loads if meta else ():
+            if self.is_async:
+                fut = self._io.submit(self._load_block, t)
+            else:
+                fut = Future()
+                self._load_block(t)
+                fut.set_result(None)
+            self._loads.setdefault(t.request_id, []).append(fut)
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        pass  # whole blocks move before the request is scheduled
+
+    def save_kv_layer(self, layer_idx: int) -> None:
+        pass  # whole blocks are saved after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta: FsPoolMeta | None = self.get_connector_meta()
+        for t in meta.saves if meta else ():
+            block = self.kv[t.block_id]
+            if not self.on_cpu:
+                block = block.to("cpu")  # the copy completes before the next forward runs
+            self._saves.setdefault(t.request_id, []).append(self._io.submit(self._save_block, t, block))
+
+    def get_finished(self, saving_ids: list[str],
+                     loading_ids: list[str]) -> tuple[set[str], set[str]]:
+        # Every pending id has futures here until reported; report each exactly once.
+        done_saving = {rid for rid in saving_ids if rid in self._saves
+                       and _all_done(self._saves[rid])}
+        done_loading = {rid for rid in loading_ids if rid in self._loads
+                        and _all_done(self._loads[rid])}
+        for rid in done_saving:
+            self._saves.pop(rid, None)
+        with self._lock:
+            for rid in done_loading:
+                self._loads.pop(rid, None)
+                if rid in self._bad_block:
+                    self._failed[rid] = self._bad_block.pop(rid)
+        return done_saving, done_loading
+
+    def get_failed_loads(self) -> dict[str, int]:
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._stats)
+
+    def shutdown(self) -> None:
+        self._io.shutdown(wait=True)
+
+    # -- I/O threads -------------------------------------------------------------------
+
+    def _load_block(self, t: BlockTransfer) -> None:
+        start = time.perf_counter()
+        block = self.kv[t.block_id]
+        dest = block if self.on_cpu else self._staging()
+        try:
+            path = pf.read_block_into(self.root, self.namespace, t.key, _bytes_of(dest),
+                                      self.block_shape, self.dtype)
+            if not self.on_cpu:
+                block.copy_(dest)
+            os.utime(path)  # recently used: trimmed last
+        except pf.BlockMissing:
+            self._record_failure(t, "missing_blocks")
+            return
+        except pf.CorruptBlock as e:
+            log.warning("pool block %s is corrupt (%s): quarantined, recomputing", t.key.hex(), e)
+            pf.quarantine(self.root, t.key, e.reason)
+            self._record_failure(t, "corrupt_blocks")
+            return
+        except OSError as e:
+            log.warning("pool block %s could not be read: %s", t.key.hex(), e)
+            self._record_failure(t, "missing_blocks")
+            return
+        with self._lock:
+            self._stats["bytes_loaded"] += dest.numel() * dest.element_size()
+            self._stats["blocks_loaded"] += 1
+            self._stats["load_seconds"] += time.perf_counter() - start
+
+    def _record_failure(self, t: BlockTransfer, counter: str) -> None:
+        with self._lock:
+            self._stats[counter] += 1
+            prev = self._bad_block.get(t.request_id)
+            self._bad_block[t.request_id] = t.block_index if prev is None else min(prev, t.block_index)
+
+    def _save_block(self, t: BlockTransfer, block: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            written = pf.write_block(self.root, self.namespace, t.key, _bytes_of(block),
+                                     self.block_shape, self.dtype)
+        except OSError as e:
+            log.warning("pool save of block %s failed: %s", t.key.hex(), e)
+            with self._lock:
+                self._stats["save_failures"] += 1
+            return
+        nbytes = block.numel() * block.element_size()
+        with self._lock:
+            self._stats["save_seconds"] += time.perf_counter() - start
+            if written:
+                self._stats["bytes_saved"] += nbytes
+                self._stats["blocks_saved"] += 1
+                self._bytes_since_trim += nbytes
+            trim = self.max_bytes is not None and self._bytes_since_trim > self.max_bytes // 10
+            if trim:
+                self._bytes_since_trim = 0
+        if trim:
+            trim_pool(self.root, self.max_bytes)
+
+    def _staging(self) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = torch.empty(self.block_shape, dtype=self.dtype, pin_memory=True)
+            self._local.buf = buf
+        return buf
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The tensor's memory as a writable byte view (no copy; t must be contiguous on CPU)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _all_done(futures) -> bool:
+    return all(f.done() for f in futures)
