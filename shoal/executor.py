@@ -103,7 +103,7 @@ class Executor:
     def _update(self, batch: ScheduledBatch, out: StepOutput, defer_free: bool) -> list[Request]:
         finished = self.scheduler.update(batch, out.sampled, defer_free)
         if out.transfers is not None:
-            finished += self.scheduler.apply_transfers(out.transfers, defer_free)
+            finished += self.scheduler.apply_transfers(batch, out.transfers, defer_free)
         if defer_free:  # a step is in flight: forget with the next launch
             self._forget_ids.extend(r.request_id for r in finished)
         else:

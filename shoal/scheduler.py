@@ -35,6 +35,7 @@ class ScheduledBatch:
     num_preempted: int  # requests preempted while building this batch
     connector_meta: Any = None  # the connector's plan for this step (None without one)
     saving_ids: list[str] = field(default_factory=list)  # pending saves to poll after it
+    save_epochs: dict[str, int] = field(default_factory=dict)  # their episodes at launch
     loading_ids: list[str] = field(default_factory=list)  # pending loads to poll after it
 
     @property
@@ -67,7 +68,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self.saving)
+        return bool(self.waiting or self.running or self.loading or self.saving
+                    or (self.connector is not None and self.connector.pending_saves()))
 
     def add(self, req: Request) -> str | None:
         """Queue a request; returns an error message (and queues nothing) if it can never run."""
@@ -134,7 +136,8 @@ class Scheduler:
         batch = ScheduledBatch(chunks, self.max_num_tokens - budget, num_preempted)
         if self.connector:
             batch.connector_meta = self.connector.build_meta(chunks)
-            batch.saving_ids, batch.loading_ids = list(self.saving), list(self.loading)
+            batch.save_epochs = self.connector.pending_saves()
+            batch.saving_ids, batch.loading_ids = list(batch.save_epochs), list(self.loading)
         return batch
 
     def update(self, batch: ScheduledBatch, sampled: list[int], defer_free: bool) -> list[Request]:
@@ -184,7 +187,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         self._release(req, defer_free)
 
-    def apply_transfers(self, report: TransferReport, defer_free: bool) -> list[Request]:
+    def apply_transfers(self, batch: ScheduledBatch, report: TransferReport,
+                        defer_free: bool) -> list[Request]:
         """Finished loads join the running requests (or fail); finished saves release their
         blocks. Returns requests that ended here (a load failing under policy "fail")."""
         ended = []
@@ -204,11 +208,13 @@ class Scheduler:
             self.kv.cache_computed_blocks(req, num_ok)
             self.running.append(req)
         for rid in sorted(report.finished_saving):
+            epoch = batch.save_epochs.get(rid)
+            if epoch is None or not self.connector.save_reported(rid, epoch):
+                continue  # not asked, or about an earlier episode
             req = self.saving.pop(rid, None)
             if req is not None:
                 req.status = RequestStatus.FINISHED
                 self._release(req, defer_free)
-                self.connector.release_pins(rid)
         return ended
 
     def _release(self, req: Request, defer_free: bool) -> None:

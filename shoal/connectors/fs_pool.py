@@ -206,9 +206,8 @@ class FsPoolWorker(KvConnectorWorker):
 
     def get_finished(self, saving_ids: list[str],
                      loading_ids: list[str]) -> tuple[set[str], set[str]]:
-        # Every pending id has futures here until reported; report each exactly once.
-        done_saving = {rid for rid in saving_ids if rid in self._saves
-                       and _all_done(self._saves[rid])}
+        # A save id is done once none of its copies is pending (also if it never had one).
+        done_saving = {rid for rid in saving_ids if _all_done(self._saves.get(rid, ()))}
         done_loading = {rid for rid in loading_ids if rid in self._loads
                         and _all_done(self._loads[rid])}
         for rid in done_saving:

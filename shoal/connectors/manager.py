@@ -56,6 +56,7 @@ class ConnectorManager:
         self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
         self._load_plans: dict[str, tuple[int, int]] = {}  # rid -> (num_cached, num_external)
         self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
+        self._save_epochs: dict[str, int] = {}  # rid -> episode of its pending save report
         self._pending_new: list[Request] = []  # admitted for a load this step (0 tokens)
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
@@ -110,25 +111,41 @@ class ConnectorManager:
 
     def on_preempt(self, req: Request) -> None:
         """Before the scheduler frees a preempted request's blocks: saves already enqueued may
-        still read them, so pin them until the request's final save report."""
+        still read them, so pin them until the worker reports the request's saves done."""
         if self._num_reported_blocks.pop(req.request_id, None) is not None and req.block_ids:
             self.pool.touch(req.block_ids)
             self._pins.setdefault(req.request_id, []).extend(req.block_ids)
+            self._new_save_episode(req.request_id)
 
     def on_finish(self, req: Request) -> bool:
-        """request_finished for requests the connector saw. True = keep the blocks (and pins)
-        until the save is reported."""
+        """request_finished for requests the connector saw. True = keep the blocks until the
+        worker reports the save finished."""
         seen = self._num_reported_blocks.pop(req.request_id, None) is not None
         self._load_plans.pop(req.request_id, None)
         if not seen and req.request_id not in self._pins:
             return False
         if self.scheduler.request_finished(self.view(req), list(req.block_ids)):
+            self._new_save_episode(req.request_id)
             return True
-        self.release_pins(req.request_id)
         return False
 
-    def release_pins(self, request_id: str) -> None:
+    def _new_save_episode(self, request_id: str) -> None:
+        # A report counts only for the episode that was pending when its step was launched:
+        # the overlap loop applies a step's poll after the next step was scheduled.
+        self._save_epochs[request_id] = self._save_epochs.get(request_id, 0) + 1
+
+    def pending_saves(self) -> dict[str, int]:
+        """Request id -> save episode, for every request whose saves must be reported."""
+        return dict(self._save_epochs)
+
+    def save_reported(self, request_id: str, epoch: int) -> bool:
+        """A finished-saving report for `epoch`; True if it ends the pending episode (its pins
+        are released; the caller releases a finished request's own blocks)."""
+        if self._save_epochs.get(request_id) != epoch:
+            return False
+        del self._save_epochs[request_id]
         self.pool.free(self._pins.pop(request_id, []))
+        return True
 
     def pinned_block_refs(self) -> list[int]:
         return [b for blocks in self._pins.values() for b in blocks]

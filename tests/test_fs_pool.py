@@ -1,0 +1,254 @@
+"""The filesystem pool connector: persistence, local + pool reuse, corruption, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.block_keys import extend_block_keys, request_seed
+from shoal.connectors import ConnectorConfig
+from shoal.connectors import pool_file as pf
+from tests.conftest import random_prompts
+
+SP = SamplingParams(max_tokens=10)
+KW = dict(block_size=4, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    shared = random_prompts(512, [40], seed=7)[0]  # 10 full blocks of 4
+    return [shared + t for t in random_prompts(512, [3, 6, 1], seed=8)]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, workload):
+    with LLM(tiny_model, **KW) as llm:
+        return [o.token_ids for o in llm.generate(workload, SP)]
+
+
+def produce(model, pool, prompts, **kw):
+    with LLM(model, kv_pool=str(pool), **{**KW, **kw}) as llm:
+        outs = llm.generate(prompts, SP)
+        llm.check_integrity()
+        return outs, llm.stats()
+
+
+def block_files(pool: Path) -> list[Path]:
+    return list(pf.iter_block_files(pool))
+
+
+RUN_IN_PROCESS = """
+import json, sys
+from shoal import LLM, SamplingParams
+from shoal.block_keys import extend_block_keys, request_seed
+model, pool, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with LLM(model, kv_pool=pool, block_size=4, num_kv_blocks=128) as llm:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10))
+    llm.check_integrity()
+    print(json.dumps({"tokens": [o.token_ids for o in outs],
+                      "loaded": [o.num_connector_tokens for o in outs], "stats": llm.stats()}))
+"""
+
+
+def run_process(model, pool, prompts) -> dict:
+    r = subprocess.run([sys.executable, "-c", RUN_IN_PROCESS, model, str(pool), json.dumps(prompts)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_restart_persistence_across_processes(tiny_model, workload, baseline, tmp_path):
+    pool = tmp_path / "pool"
+    producer = run_process(tiny_model, pool, workload)
+    assert producer["tokens"] == baseline
+    assert producer["stats"]["blocks_saved"] == 11 and producer["stats"]["pool_hit_blocks"] == 0
+    consumer = run_process(tiny_model, pool, workload)
+    assert consumer["tokens"] == baseline
+    assert consumer["loaded"] == [40, 44, 40]  # every full prompt block but the last token's
+    s = consumer["stats"]
+    assert s["pool_hit_blocks"] == 31 and s["pool_miss_blocks"] == 0
+    assert s["connector_tokens_loaded"] == 124 and s["bytes_loaded"] > 0
+    assert s["blocks_saved"] == 0  # nothing new to save
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_local_prefix_and_pool_together(tiny_model, tmp_path, overlap, load_mode):
+    x, y, tail, other = random_prompts(512, [16, 24, 5, 7], seed=11)
+    full, partial = x + y + tail, x + other
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate([partial, full], SP)]
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, [full])
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool), "load_mode": load_mode})
+    with LLM(tiny_model, kv_connector=cfg, overlap_scheduler=overlap, **KW) as llm:
+        first = llm.generate([partial], SP)[0]  # loads x from the pool, caches it locally
+        second = llm.generate([full], SP)[0]  # x local, y from the pool, tail computed
+        llm.check_integrity()
+    assert [first.token_ids, second.token_ids] == expected
+    assert (first.num_local_prefix_tokens, first.num_connector_tokens) == (0, 16)
+    # 45 tokens: blocks 4..10 come from the pool (y and the first full block of the tail)
+    assert (second.num_local_prefix_tokens, second.num_connector_tokens) == (16, 28)
+
+
+def _corrupt(path: Path, kind: str, tiny_pool: Path) -> None:
+    data = path.read_bytes()
+    if kind == "flipped_byte":
+        i = pf.HEADER_SIZE + 100
+        path.write_bytes(data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1:])
+    elif kind == "truncated":
+        path.write_bytes(data[:-7])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif kind == "wrong_namespace":
+        header = pf.parse_header(data[:pf.HEADER_SIZE])
+        payload = data[pf.HEADER_SIZE:]
+        path.write_bytes(pf.encode_header(b"\x01" * 32, header.key, header.shape, torch.float32,
+                                          len(payload), pf.checksum(payload)) + payload)
+    elif kind == "header_flip":
+        path.write_bytes(data[:20] + bytes([data[20] ^ 1]) + data[21:])
+
+
+@pytest.mark.parametrize("kind", ["flipped_byte", "truncated", "empty", "garbage",
+                                  "wrong_namespace", "header_flip"])
+def test_corrupt_file_is_a_miss_recomputed_and_quarantined(tiny_model, workload, baseline,
+                                                           tmp_path, kind):
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, workload[:1])
+    with LLM(tiny_model, kv_pool=str(pool), **KW) as probe:
+        keys: list[bytes] = []
+        extend_block_keys(keys, workload[0], 4,
+                          request_seed(bytes.fromhex(probe.engine.info.namespace), None))
+    bad_key = keys[2]
+    bad_path = pf.block_path(pool, bad_key)
+    assert bad_path.is_file()
+    _corrupt(bad_path, kind, pool)
+    with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:
+        out = llm.generate(workload[:1], SP)[0]
+        llm.check_integrity()
+        s = llm.stats()
+    assert out.token_ids == baseline[0]
+    assert out.num_connector_tokens == 8  # blocks 0 and 1; recomputed from block 2 on
+    assert s["corrupt_blocks"] == 1 and s["load_failures_recomputed"] == 1
+    quarantined = list((pool / "quarantine").iterdir())
+    assert len(quarantined) == 1 and quarantined[0].name.startswith(bad_key.hex())
+    assert pf.block_path(pool, bad_key).is_file()  # the recomputed block was saved again
+
+
+def test_missing_file_after_lookup_is_recomputed(tiny_model, workload, baseline, tmp_path,
+                                                 monkeypatch):
+    """A file that disappears between the lookup and the read (trimmed by another process)."""
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, workload[:1])
+    real = pf.read_block_into
+    calls = []
+
+    def vanish_third(root, namespace, key, dest, shape, dtype):
+        calls.append(key)
+        if len(calls) == 3:
+            raise pf.BlockMissing(key.hex())
+        return real(root, namespace, key, dest, shape, dtype)
+
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool), "load_mode": "sync"})
+    monkeypatch.setattr(pf, "read_block_into", vanish_third)
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        out = llm.generate(workload[:1], SP)[0]
+        s = llm.stats()
+    assert out.token_ids == baseline[0] and out.num_connector_tokens == 8
+    assert s["missing_blocks"] == 1 and s["load_failures_recomputed"] == 1
+
+
+def test_load_failure_policy_fail_ends_only_that_request(tiny_model, workload, baseline, tmp_path):
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, workload[:1])
+    for p in block_files(pool):
+        _corrupt(p, "flipped_byte", pool)
+    other = random_prompts(512, [9], seed=99)[0]
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool)}, load_failure_policy="fail")
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        outs = llm.generate([workload[0], other], SP)
+        llm.check_integrity()
+    assert outs[0].finish_reason == "error" and "failed at block 0" in outs[0].error
+    with LLM(tiny_model, **KW) as llm:
+        assert outs[1].token_ids == llm.generate([other], SP)[0].token_ids
+
+
+@pytest.mark.parametrize("failure", ["read_only", "disk_full"])
+def test_failed_saves_are_counted_and_leave_no_temp_file(tiny_model, workload, baseline, tmp_path,
+                                                        monkeypatch, failure):
+    import errno
+    pool = tmp_path / "pool"
+    if failure == "read_only":
+        real_open = os.open
+
+        def refuse(path, flags, *a, **kw):
+            if str(path).endswith(".tmp"):
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+            return real_open(path, flags, *a, **kw)
+        monkeypatch.setattr(pf.os, "open", refuse)
+    else:
+        def full(src, dst):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(pf.os, "link", full)
+    outs, s = produce(tiny_model, pool, workload)
+    assert [o.token_ids for o in outs] == baseline
+    assert all(o.finish_reason == "length" for o in outs)
+    assert s["save_failures"] == 11 and s["blocks_saved"] == 0
+    assert block_files(pool) == []
+    assert [p for p in (pool / "blocks").rglob("*") if p.is_file()] == []  # no temp file left
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_directory(tiny_model, workload, baseline, tmp_path):
+    pool = tmp_path / "pool"
+    pf.ensure_pool_dirs(pool)
+    (pool / "blocks").chmod(0o500)
+    try:
+        outs, s = produce(tiny_model, pool, workload)
+    finally:
+        (pool / "blocks").chmod(0o700)
+    assert [o.token_ids for o in outs] == baseline and s["save_failures"] > 0
+
+
+def test_pool_directories_are_owner_only(tiny_model, workload, tmp_path):
+    pool = tmp_path / "new" / "pool"
+    produce(tiny_model, pool, workload[:1])
+    for d in (pool, pool / "blocks", pool / "quarantine"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    for f in block_files(pool):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+
+
+def test_max_bytes_trims_least_recently_used(tiny_model, tmp_path):
+    pool = tmp_path / "pool"
+    prompts = random_prompts(512, [41, 41, 41, 41], seed=21)  # 10 full blocks each
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SP)]
+    block_bytes = 3 * 2 * 4 * 2 * 16 * 4 + pf.HEADER_SIZE  # layers*kv*bs*heads*dim*4 + header
+    cap = 25 * block_bytes
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool), "max_bytes": cap})
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        outs = [llm.generate([p], SP)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+    sizes = [p.stat().st_size for p in block_files(pool)]
+    assert sizes and all(s == block_bytes for s in sizes)
+    assert sum(sizes) <= cap
+
+
+def test_bad_fs_options_fail_at_bring_up(tiny_model, tmp_path):
+    for options, needle in [({}, "root"), ({"root": str(tmp_path), "load_mode": "later"}, "load_mode"),
+                            ({"root": str(tmp_path), "io_threads": 0}, "io_threads"),
+                            ({"root": str(tmp_path), "max_bytes": -1}, "max_bytes"),
+                            ({"root": str(tmp_path), "colour": 1}, "unknown options")]:
+        with pytest.raises(ValueError, match=needle):
+            LLM(tiny_model, kv_connector=ConnectorConfig(name="fs", options=options), **KW)
