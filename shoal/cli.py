@@ -61,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     d.add_argument("--model", default="smollm2", help=argparse.SUPPRESS)
     d.add_argument("--no-overlap", action="store_true", help="use the plain executor loop")
+    d.add_argument("--kv-pool", metavar="DIR", help="pool directory to use and keep "
+                   "(default: a temporary one, removed afterwards)")
+
+    pool = sub.add_parser("pool", help="inspect and maintain a filesystem KV pool")
+    psub = pool.add_subparsers(dest="pool_command", required=True)
+    ps = psub.add_parser("stats", help="size, block count, quarantined and temp files")
+    pv = psub.add_parser("verify", help="check every file's header and checksum; "
+                         "quarantine corrupt ones (exit 1 if any)")
+    pg = psub.add_parser("gc", help="remove stale temp files; trim to --max-bytes (LRU)")
+    pg.add_argument("--max-bytes", type=int, help="capacity to trim the pool to")
+    for p in (ps, pv, pg):
+        p.add_argument("dir", help="the pool directory")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
 
     b = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -69,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-prompts", type=int, default=16)
     t.add_argument("--max-tokens", type=int, default=128)
     t.add_argument("--device", default="cpu")
+    tt = bsub.add_parser("ttft", help="TTFT of a long prefix from the pool vs recomputed")
+    tt.add_argument("--model", default="smollm2")
+    tt.add_argument("--prefix-tokens", type=int, default=2048)
+    tt.add_argument("--rounds", type=int, default=2)
+    tt.add_argument("--device", default="cpu")
+    io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads")
+    io.add_argument("--num-blocks", type=int, default=256)
+    io.add_argument("--threads", type=int, default=4)
+    io.add_argument("--rounds", type=int, default=3)
     return parser
 
 
@@ -82,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "demo":
             from shoal.demo import run_demo
-            return run_demo(args.model, overlap=not args.no_overlap)
+            return run_demo(args.model, overlap=not args.no_overlap, pool_dir=args.kv_pool)
+        if args.command == "pool":
+            return _pool(args)
         if args.command == "bench":
             from shoal.bench import run_bench
             return run_bench(args)
@@ -134,3 +158,36 @@ def _generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"summary": stats}))
     return EXIT_RUNTIME_ERROR if failed else 0
+
+
+def _pool(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from shoal.connectors import pool_admin
+
+    root = Path(args.dir)
+    if not (root / "blocks").is_dir():
+        raise ValueError(f"{root} is not a Shoal KV pool (no blocks/ directory)")
+    if args.pool_command == "stats":
+        result = asdict(pool_admin.pool_stats(root))
+        text = (f"{result['num_blocks']} blocks, {result['num_bytes'] / 2**20:.1f} MiB, "
+                f"{result['num_quarantined']} quarantined, {result['num_temp']} temp files")
+        code = 0
+    elif args.pool_command == "verify":
+        ok, bad = pool_admin.verify_pool(root)
+        result = {"ok_blocks": ok, "corrupt_blocks": len(bad),
+                  "corrupt": [{"file": f, "reason": r} for f, r in bad]}
+        text = "\n".join([f"{ok} blocks ok, {len(bad)} corrupt (quarantined)"] +
+                         [f"  {f}: {r}" for f, r in bad])
+        code = 1 if bad else 0
+    else:
+        temp = pool_admin.remove_stale_temp_files(root)
+        trimmed = pool_admin.trim_pool(root, args.max_bytes) if args.max_bytes else 0
+        result = {"removed_temp_files": temp, "trimmed_blocks": trimmed,
+                  **asdict(pool_admin.pool_stats(root))}
+        text = (f"removed {temp} stale temp files, trimmed {trimmed} blocks; now "
+                f"{result['num_blocks']} blocks, {result['num_bytes'] / 2**20:.1f} MiB")
+        code = 0
+    print(json.dumps(result) if args.json else text)
+    return code

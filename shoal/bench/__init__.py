@@ -9,4 +9,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         from shoal.bench.throughput import run_throughput
         return run_throughput(args.model, args.num_prompts, args.max_tokens, args.device)
+    if args.bench == "ttft":
+        from shoal.bench.ttft import run_ttft
+        return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device)
+    if args.bench == "pool-io":
+        from shoal.bench.pool_io import run_pool_io
+        return run_pool_io(args.num_blocks, args.threads, args.rounds)
     raise ValueError(f"unknown benchmark {args.bench!r}")

@@ -34,6 +34,8 @@ from shoal.connectors.pool_admin import trim_pool
 
 log = logging.getLogger(__name__)
 
+TOUCH_INTERVAL_SECONDS = 60.0
+
 
 @dataclass(frozen=True)
 class BlockTransfer:
@@ -160,7 +162,8 @@ class FsPoolWorker(KvConnectorWorker):
         self.max_bytes: int | None = opts["max_bytes"]
         self.namespace = bytes.fromhex(ctx.namespace)
         pf.ensure_pool_dirs(self.root)
-        self._io = ThreadPoolExecutor(opts["io_threads"], thread_name_prefix="shoal-fs-io")
+        self._num_threads = opts["io_threads"]
+        self._io = ThreadPoolExecutor(self._num_threads, thread_name_prefix="shoal-fs-io")
         self._lock = threading.Lock()
         self._loads: dict[str, list[Future]] = {}
         self._saves: dict[str, list[Future]] = {}
@@ -178,17 +181,27 @@ class FsPoolWorker(KvConnectorWorker):
         self.block_shape = tuple(kv_caches.layout.block_shape)
         self.dtype = kv_caches.layout.dtype
         self.on_cpu = self.kv.device.type == "cpu"
+        # byte views of every block, made once (CPU: loads read straight into block memory)
+        self._block_bytes = [_bytes_of(self.kv[i]) for i in range(len(self.kv))] if self.on_cpu else []
 
     def start_load_kv(self) -> None:
         meta: FsPoolMeta | None = self.get_connector_meta()
+        by_request: dict[str, list[BlockTransfer]] = {}
         for t in meta.loads if meta else ():
-            if self.is_async:
-                fut = self._io.submit(self._load_block, t)
-            else:
-                fut = Future()
-                self._load_block(t)
-                fut.set_result(None)
-            self._loads.setdefault(t.request_id, []).append(fut)
+            by_request.setdefault(t.request_id, []).append(t)
+        for rid, transfers in by_request.items():
+            # one task per I/O thread and request, not per block: per-task overhead is
+            # paid under the GIL and would rival the copy itself
+            step = -(-len(transfers) // self._num_threads)
+            for i in range(0, len(transfers), step):
+                group = transfers[i:i + step]
+                if self.is_async:
+                    fut = self._io.submit(self._load_blocks, group)
+                else:
+                    fut = Future()
+                    self._load_blocks(group)
+                    fut.set_result(None)
+                self._loads.setdefault(rid, []).append(fut)
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         pass  # whole blocks move before the request is scheduled
@@ -233,16 +246,23 @@ class FsPoolWorker(KvConnectorWorker):
 
     # -- I/O threads -------------------------------------------------------------------
 
+    def _load_blocks(self, transfers: list[BlockTransfer]) -> None:
+        for t in transfers:
+            self._load_block(t)
+
     def _load_block(self, t: BlockTransfer) -> None:
         start = time.perf_counter()
-        block = self.kv[t.block_id]
-        dest = block if self.on_cpu else self._staging()
+        if self.on_cpu:
+            dest = self._block_bytes[t.block_id]
+        else:
+            staging = self._staging()
+            dest = _bytes_of(staging)
         try:
-            path = pf.read_block_into(self.root, self.namespace, t.key, _bytes_of(dest),
+            path = pf.read_block_into(self.root, self.namespace, t.key, dest,
                                       self.block_shape, self.dtype)
             if not self.on_cpu:
-                block.copy_(dest)
-            os.utime(path)  # recently used: trimmed last
+                self.kv[t.block_id].copy_(staging)
+            self._touch(path)
         except pf.BlockMissing:
             self._record_failure(t, "missing_blocks")
             return
@@ -256,9 +276,20 @@ class FsPoolWorker(KvConnectorWorker):
             self._record_failure(t, "missing_blocks")
             return
         with self._lock:
-            self._stats["bytes_loaded"] += dest.numel() * dest.element_size()
+            self._stats["bytes_loaded"] += dest.nbytes
             self._stats["blocks_loaded"] += 1
             self._stats["load_seconds"] += time.perf_counter() - start
+
+    def _touch(self, path: str) -> None:
+        """Mark a file recently used for LRU trimming (at most once a minute per file: a
+        metadata write per load would cost more than the load)."""
+        if self.max_bytes is None:
+            return
+        try:
+            if time.time() - os.stat(path).st_mtime > TOUCH_INTERVAL_SECONDS:
+                os.utime(path)
+        except FileNotFoundError:
+            pass  # trimmed meanwhile: the bytes we read are still whole and verified
 
     def _record_failure(self, t: BlockTransfer, counter: str) -> None:
         with self._lock:

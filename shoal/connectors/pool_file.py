@@ -93,8 +93,13 @@ def parse_header(buf: bytes) -> BlockHeader:
 
 
 def block_path(root: Path, key: bytes) -> Path:
+    return Path(block_path_str(str(root), key))
+
+
+def block_path_str(root: str, key: bytes) -> str:
+    """block_path as a plain string (Path objects cost microseconds per block on hot paths)."""
     h = key.hex()
-    return root / "blocks" / h[:2] / f"{h}.kv"
+    return f"{root}/blocks/{h[:2]}/{h}.kv"
 
 
 def ensure_pool_dirs(root: Path) -> None:
@@ -129,29 +134,33 @@ def write_block(root: Path, namespace: bytes, key: bytes, payload: memoryview,
 
 
 def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
-                    shape: tuple[int, ...], dtype: torch.dtype) -> Path:
+                    shape: tuple[int, ...], dtype: torch.dtype) -> str:
     """Read a block's payload straight into `dest` and verify it. Raises BlockMissing or
-    CorruptBlock (then `dest` holds garbage the caller must not use). Returns the path."""
-    path = block_path(root, key)
+    CorruptBlock (then `dest` holds garbage the caller must not use). Returns the path.
+    Three system calls: open, fstat, one preadv for header and payload together."""
+    path = block_path_str(str(root), key)
     try:
-        f = open(path, "rb", buffering=0)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise BlockMissing(key.hex()) from None
-    with f:
-        header = parse_header(f.read(HEADER_SIZE))
-        if header.namespace != namespace:
-            raise CorruptBlock("namespace", "written by another model/layout")
-        if header.key != key:
-            raise CorruptBlock("key", "header key differs from the file name")
-        if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
-            raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
-        if header.payload_len != dest.nbytes:
-            raise CorruptBlock("length", f"{header.payload_len} != {dest.nbytes}")
-        n = f.readinto(dest)
-        if n != dest.nbytes:
-            raise CorruptBlock("truncated", f"{n} of {dest.nbytes} payload bytes")
-        if f.read(1):
-            raise CorruptBlock("length", "trailing bytes")
+    try:
+        size = os.fstat(fd).st_size
+        header_buf = bytearray(HEADER_SIZE)
+        n = os.preadv(fd, [header_buf, dest], 0) if size >= HEADER_SIZE else size
+    finally:
+        os.close(fd)
+    header = parse_header(bytes(header_buf[:min(n, HEADER_SIZE)]))
+    if header.namespace != namespace:
+        raise CorruptBlock("namespace", "written by another model/layout")
+    if header.key != key:
+        raise CorruptBlock("key", "header key differs from the file name")
+    if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
+        raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
+    if header.payload_len != dest.nbytes:
+        raise CorruptBlock("length", f"{header.payload_len} != {dest.nbytes}")
+    if size != HEADER_SIZE + dest.nbytes:
+        reason = "truncated" if size < HEADER_SIZE + dest.nbytes else "length"
+        raise CorruptBlock(reason, f"file of {size} bytes")
     if checksum(dest) != header.checksum:
         raise CorruptBlock("checksum", "payload checksum mismatch")
     return path
