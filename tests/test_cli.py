@@ -50,3 +50,54 @@ def test_help_lists_the_commands():
     assert r.returncode == 0
     for cmd in ("generate", "demo", "bench"):
         assert cmd in r.stdout
+
+
+def _make_pool(tiny_model, pool):
+    from shoal import LLM, SamplingParams
+    from tests.conftest import random_prompts
+    with LLM(tiny_model, kv_pool=str(pool), block_size=4, num_kv_blocks=64) as llm:
+        llm.generate(random_prompts(512, [21, 13]), SamplingParams(max_tokens=2))
+
+
+def test_pool_stats_verify_gc(tiny_model, tmp_path):
+    from shoal.connectors import pool_file as pf
+    pool = tmp_path / "pool"
+    _make_pool(tiny_model, pool)  # 5 + 3 full prompt blocks
+    r = shoal("pool", "stats", str(pool), "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    assert stats["num_blocks"] == 8 and stats["num_quarantined"] == 0
+    r = shoal("pool", "verify", str(pool))
+    assert r.returncode == 0 and "8 blocks ok, 0 corrupt" in r.stdout
+    victim = next(pf.iter_block_files(pool))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    r = shoal("pool", "verify", str(pool), "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert report["ok_blocks"] == 7 and report["corrupt"] == [{"file": victim.name, "reason": "checksum"}]
+    assert not victim.exists() and len(list((pool / "quarantine").iterdir())) == 1
+    size = len(data)
+    r = shoal("pool", "gc", str(pool), "--max-bytes", str(3 * size), "--json")
+    assert r.returncode == 0, r.stderr
+    gc = json.loads(r.stdout)
+    assert gc["num_bytes"] <= 3 * size and gc["trimmed_blocks"] == 7 - gc["num_blocks"]
+
+
+def test_pool_command_on_a_non_pool_is_a_clear_error(tmp_path):
+    r = shoal("pool", "stats", str(tmp_path))
+    assert r.returncode == 2 and "not a Shoal KV pool" in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_kv_pool_reuses_across_runs(smollm2_path, tmp_path):
+    prompt = "Summarize: " + "The harbor gate opens at dawn and closes at dusk. " * 12
+    args = ("generate", "--model", smollm2_path, "--prompt", prompt, "--max-tokens", "8",
+            "--json", "--num-kv-blocks", "64", "--kv-pool", str(tmp_path / "pool"))
+    first, second = shoal(*args), shoal(*args)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    a, b = (json.loads(r.stdout.splitlines()[0]) for r in (first, second))
+    assert a["token_ids"] == b["token_ids"]
+    assert a["num_connector_tokens"] == 0 and b["num_connector_tokens"] > 100
+    assert json.loads(second.stdout.splitlines()[-1])["summary"]["pool_hit_blocks"] > 5

@@ -43,3 +43,24 @@ def test_smollm2_on_cuda_matches_transformers(smollm2_path, smollm2_hf):
         smollm2_hf.to("cpu")
     assert [o.token_ids for o in outs] == expected
     assert "Paris" in outs[0].text
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_fs_pool_round_trip_on_cuda(tiny_models, tmp_path, load_mode):
+    """Saves copy GPU blocks to the host; loads read into pinned memory, then to the GPU."""
+    from shoal.connectors import ConnectorConfig
+
+    path = str(tiny_models["mha_untied"])
+    prompts = random_prompts(512, [45, 30, 9])
+    kw = dict(device="cuda", block_size=4, num_kv_blocks=128)
+    with LLM(path, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12))]
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path), "load_mode": load_mode})
+    runs = []
+    for _ in range(2):  # producer, then a fresh consumer
+        with LLM(path, kv_connector=cfg, **kw) as llm:
+            runs.append(llm.generate(prompts, SamplingParams(max_tokens=12)))
+            llm.check_integrity()
+    assert [o.token_ids for o in runs[0]] == expected
+    assert [o.token_ids for o in runs[1]] == expected
+    assert [o.num_connector_tokens for o in runs[1]] == [44, 28, 8]
