@@ -53,23 +53,34 @@ class FsPoolMeta:
     saves: list[BlockTransfer] = field(default_factory=list)  # KV -> pool
 
 
-def _options(config: ConnectorConfig) -> dict:
+@dataclass(frozen=True)
+class FsPoolOptions:
+    root: Path  # pool directory (created, owner-only)
+    is_async: bool  # load_mode == "async"
+    io_threads: int
+    max_bytes: int | None
+
+
+def open_pool(config: ConnectorConfig) -> FsPoolOptions:
+    """Validate the fs options (ValueError naming the option) and create the pool dirs."""
     opts = dict(config.options)
     unknown = set(opts) - {"root", "load_mode", "io_threads", "max_bytes"}
     if unknown:
         raise ValueError(f"fs connector: unknown options {sorted(unknown)}")
     if not opts.get("root"):
         raise ValueError("fs connector: options['root'] (the pool directory) is required")
-    if opts.setdefault("load_mode", "async") not in ("async", "sync"):
-        raise ValueError(f"fs connector: load_mode must be 'async' or 'sync', got {opts['load_mode']!r}")
-    threads = opts.setdefault("io_threads", 4)
+    mode = opts.get("load_mode", "async")
+    if mode not in ("async", "sync"):
+        raise ValueError(f"fs connector: load_mode must be 'async' or 'sync', got {mode!r}")
+    threads = opts.get("io_threads", 4)
     if not isinstance(threads, int) or not 1 <= threads <= 64:
         raise ValueError(f"fs connector: io_threads must be an integer in [1, 64], got {threads!r}")
-    cap = opts.setdefault("max_bytes", None)
+    cap = opts.get("max_bytes")
     if cap is not None and (not isinstance(cap, int) or cap <= 0):
         raise ValueError(f"fs connector: max_bytes must be a positive integer, got {cap!r}")
-    opts["root"] = Path(opts["root"]).expanduser()
-    return opts
+    root = Path(opts["root"]).expanduser()
+    pf.ensure_pool_dirs(root)
+    return FsPoolOptions(root, mode == "async", threads, cap)
 
 
 @dataclass
@@ -77,6 +88,7 @@ class _RequestState:
     block_ids: list[int]
     num_checked: int = 0  # leading full blocks already considered for saving
     has_saves: bool = False
+    saved_keys: list[bytes] = field(default_factory=list)  # saves scheduled for it
 
 
 class FsPoolScheduler(KvConnectorScheduler):
@@ -84,14 +96,12 @@ class FsPoolScheduler(KvConnectorScheduler):
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         super().__init__(config, ctx)
-        opts = _options(config)
-        self.root: Path = opts["root"]
-        self.is_async = opts["load_mode"] == "async"
-        pf.ensure_pool_dirs(self.root)
+        opts = open_pool(config)
+        self.root, self.is_async = opts.root, opts.is_async
         self._matched: dict[str, tuple[int, int]] = {}  # rid -> (first block, num blocks)
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
-        self._saving_keys: set[bytes] = set()  # saves this process already scheduled
+        self._saving_keys: set[bytes] = set()  # saves scheduled by live requests
         self._stats = dict(pool_lookups=0, pool_hit_blocks=0, pool_miss_blocks=0)
 
     def get_num_new_matched_tokens(self, request: RequestView,
@@ -125,7 +135,8 @@ class FsPoolScheduler(KvConnectorScheduler):
         for rd in scheduler_output.new_requests:
             prev = self._requests.get(rd.request_id)
             self._requests[rd.request_id] = _RequestState(
-                list(rd.new_block_ids), has_saves=prev is not None and prev.has_saves)
+                list(rd.new_block_ids), has_saves=prev is not None and prev.has_saves,
+                saved_keys=[] if prev is None else prev.saved_keys)
         for rd in scheduler_output.cached_requests:
             self._requests[rd.request_id].block_ids.extend(rd.new_block_ids)
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
@@ -137,6 +148,7 @@ class FsPoolScheduler(KvConnectorScheduler):
                 if key in self._saving_keys or pf.block_path(self.root, key).is_file():
                     continue
                 self._saving_keys.add(key)
+                st.saved_keys.append(key)
                 meta.saves.append(BlockTransfer(rd.request_id, i, st.block_ids[i], key))
                 st.has_saves = True
             st.num_checked = max(st.num_checked, full)
@@ -145,7 +157,12 @@ class FsPoolScheduler(KvConnectorScheduler):
     def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         self._matched.pop(request.request_id, None)
         st = self._requests.pop(request.request_id, None)
-        return st is not None and st.has_saves
+        if st is None:
+            return False
+        # the files exist or are being written: later requests find them on disk (a rare
+        # duplicate write of an in-flight key is harmless: publishing never overwrites)
+        self._saving_keys.difference_update(st.saved_keys)
+        return st.has_saves
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -156,13 +173,10 @@ class FsPoolWorker(KvConnectorWorker):
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         super().__init__(config, ctx)
-        opts = _options(config)
-        self.root: Path = opts["root"]
-        self.is_async = opts["load_mode"] == "async"
-        self.max_bytes: int | None = opts["max_bytes"]
+        opts = open_pool(config)
+        self.root, self.is_async, self.max_bytes = opts.root, opts.is_async, opts.max_bytes
         self.namespace = bytes.fromhex(ctx.namespace)
-        pf.ensure_pool_dirs(self.root)
-        self._num_threads = opts["io_threads"]
+        self._num_threads = opts.io_threads
         self._io = ThreadPoolExecutor(self._num_threads, thread_name_prefix="shoal-fs-io")
         self._lock = threading.Lock()
         self._loads: dict[str, list[Future]] = {}
