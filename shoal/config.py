@@ -9,6 +9,7 @@ import torch
 
 from shoal.connectors.base import ConnectorConfig
 
+MAX_CPU_RANKS = 16  # rank processes one machine may spawn for CPU runs
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -56,9 +57,14 @@ class EngineConfig:
         if self.kv_connector is not None and not isinstance(self.kv_connector, ConnectorConfig):
             raise ValueError("kv_connector must be a shoal.connectors.ConnectorConfig, got "
                              f"{type(self.kv_connector).__name__}")
-        if self.dp_size > 1 or self.tp_size > 1:
-            raise ValueError(f"dp_size={self.dp_size}, tp_size={self.tp_size}: several ranks are "
-                             "not available in this version (allowed: 1)")
+        if self.dp_size > 1:
+            raise ValueError(f"dp_size={self.dp_size}: attention data parallel is not available "
+                             "in this version (allowed: 1)")
+        max_ranks = (torch.cuda.device_count() if self.device.startswith("cuda")
+                     else MAX_CPU_RANKS)
+        if self.tp_size > max_ranks:
+            raise ValueError(f"tp_size={self.tp_size} is more ranks than allowed on "
+                             f"{self.device} (allowed: 1..{max_ranks})")
 
     @property
     def torch_dtype(self) -> torch.dtype:

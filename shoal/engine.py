@@ -16,9 +16,10 @@ from shoal.connectors.manager import ConnectorManager
 from shoal.executor import Executor
 from shoal.kv_cache import KVCache, KVCacheLayout
 from shoal.kv_cache_manager import KVCacheManager
-from shoal.model.llama import LlamaModel, rope_inv_freq
+from shoal.model.llama import LlamaModel, Shard, rope_inv_freq
 from shoal.model.loader import load_model_source
 from shoal.model_runner import ModelRunner
+from shoal.parallel.comm import SINGLE, Comm, ParallelInfo
 from shoal.request import Request
 from shoal.sampling import SamplingParams
 from shoal.scheduler import Scheduler
@@ -47,15 +48,18 @@ class EngineInfo:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, info: ParallelInfo = SINGLE, comm: Comm | None = None):
         self.config = config
+        self.info_parallel = info
+        self.comm = comm or Comm(info)
         self.device = torch.device(config.device)
         source = load_model_source(config.model)
         self.model_config = source.config
         self.tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
         dtype = config.torch_dtype
+        shard = Shard(info.tp_rank, info.tp_size if info.mode == "tp" else 1, self.comm.all_reduce_)
         with torch.device("meta"):
-            model = LlamaModel(source.config)
+            model = LlamaModel(source.config, shard)
         model = model.to_empty(device=self.device)
         model.tie_weights_if_needed()
         model.inv_freq.copy_(rope_inv_freq(source.config))
@@ -64,16 +68,18 @@ class Engine:
         del source.weights
 
         cfg = source.config
-        probe = KVCacheLayout(1, cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                              cfg.head_dim, dtype)
+        num_kv_heads = cfg.num_kv_heads // shard.size
+        probe = KVCacheLayout(1, cfg.num_layers, config.block_size, num_kv_heads, cfg.head_dim,
+                              dtype)
         num_blocks = config.num_kv_blocks or max(
             int(config.kv_cache_gb * (1 << 30)) // probe.block_nbytes, 1)
-        layout = KVCacheLayout(num_blocks, cfg.num_layers, config.block_size, cfg.num_kv_heads,
+        layout = KVCacheLayout(num_blocks, cfg.num_layers, config.block_size, num_kv_heads,
                                cfg.head_dim, dtype)
         self.kv_cache = KVCache(layout, self.device)
         identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
                                    digest_size=16).hexdigest()
-        namespace = make_namespace(identity, dtype, config.block_size, layout.layout_version)
+        namespace = make_namespace(identity, dtype, config.block_size, layout.layout_version,
+                                   tp_size=shard.size, tp_rank=shard.rank)
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                             cfg.max_position_embeddings)
         self.info = EngineInfo(num_blocks, layout.block_nbytes, max_model_len, namespace.hex())
@@ -81,6 +87,9 @@ class Engine:
                                          config.enable_prefix_caching)
         self.connector = None
         if config.kv_connector is not None:
+            if info.mode != "single":
+                raise ValueError("kv_connector with tp_size > 1 is not available in this "
+                                 "version (connectors across ranks come next)")
             ctx = ConnectorContext(rank=0, world_size=1, owner_rank=0, mode="single",
                                    block_size=config.block_size, namespace=namespace.hex(),
                                    device=str(self.device))
@@ -132,6 +141,7 @@ class Engine:
         s["forward_passes"] = self.executor.num_forward_passes
         s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
         s["preemptions"] = self.scheduler.num_preemptions
+        s["control_collectives"] = self.comm.num_control_collectives
         if self.connector is not None:
             s.update(self.connector.stats())
         for kind, moved in (("load", "bytes_loaded"), ("save", "bytes_saved")):

@@ -38,11 +38,16 @@ class LLM:
             max_model_len=max_model_len, overlap_scheduler=overlap_scheduler,
             enable_prefix_caching=enable_prefix_caching, device=device, dtype=dtype,
             dp_size=dp_size, tp_size=tp_size, kv_connector=kv_connector)
-        self._engine: Engine | None = Engine(self.config)
+        if self.config.tp_size > 1:
+            from shoal.parallel.fleet import Fleet
+            self._engine: Engine | Fleet | None = Fleet(self.config)
+        else:
+            self._engine = Engine(self.config)
         self.tokenizer = self._engine.tokenizer
 
     @property
-    def engine(self) -> Engine:
+    def engine(self):
+        """The engine (one rank) or the fleet of rank processes (tp_size > 1)."""
         if self._engine is None:
             raise RuntimeError("this LLM has been shut down")
         return self._engine
@@ -77,7 +82,7 @@ class LLM:
     def stats(self) -> dict:
         """Counters summed over ranks, plus "per_rank": one dict of the same keys per rank."""
         s = self.engine.stats()
-        return {**s, "per_rank": [dict(s)]}
+        return s if "per_rank" in s else {**s, "per_rank": [dict(s)]}
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()

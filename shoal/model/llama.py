@@ -76,14 +76,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of a tensor-parallel model (heads and MLP columns/rows)."""
+
+    rank: int = 0
+    size: int = 1
+    reduce: object = None  # callable summing a tensor in place over the shard's ranks
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.size == 1 else self.reduce(t)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """Heads are split over the shard's ranks: qkv column-parallel, o_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.shard = shard
+        self.num_heads = cfg.num_heads // shard.size
+        self.num_kv_heads = cfg.num_kv_heads // shard.size
         self.head_dim = cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
@@ -112,7 +127,8 @@ class Attention(nn.Module):
             for seq in meta.prefills:
                 rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
                 out[rows] = self._prefill(q[rows], seq, k_cache, v_cache)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.shard.all_reduce_(
+            self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         # block_ids [..., nb] -> [..., Hkv, nb*block_size, D]
@@ -147,24 +163,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """SwiGLU; gate/up column-parallel, down row-parallel over the shard's ranks."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        self.intermediate_size = cfg.intermediate_size // shard.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.shard.all_reduce_(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
@@ -174,11 +193,16 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack + LM head. Parameter names follow HF with q/k/v and gate/up merged."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
+        for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                        ("intermediate_size", cfg.intermediate_size)):
+            if n % shard.size:
+                raise ValueError(f"tp_size={shard.size} must divide the model's {name} ({n})")
         self.cfg = cfg
+        self.shard = shard
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights_if_needed()
@@ -223,6 +247,16 @@ class LlamaModel(nn.Module):
             used.add(name)
             return weights[name]
 
+        r, n = self.shard.rank, self.shard.size
+
+        def rows(w: torch.Tensor) -> torch.Tensor:  # this rank's output features
+            step = w.shape[0] // n
+            return w[r * step:(r + 1) * step]
+
+        def cols(w: torch.Tensor) -> torch.Tensor:  # this rank's input features
+            step = w.shape[1] // n
+            return w[:, r * step:(r + 1) * step]
+
         with torch.no_grad():
             own["embed_tokens.weight"].copy_(take("model.embed_tokens.weight"))
             own["norm.weight"].copy_(take("model.norm.weight"))
@@ -236,11 +270,11 @@ class LlamaModel(nn.Module):
                 own[p + "post_attention_layernorm.weight"].copy_(
                     take(hf + "post_attention_layernorm.weight"))
                 own[p + "self_attn.qkv_proj.weight"].copy_(torch.cat(
-                    [take(hf + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                own[p + "self_attn.o_proj.weight"].copy_(take(hf + "self_attn.o_proj.weight"))
+                    [rows(take(hf + f"self_attn.{x}_proj.weight")) for x in "qkv"]))
+                own[p + "self_attn.o_proj.weight"].copy_(cols(take(hf + "self_attn.o_proj.weight")))
                 own[p + "mlp.gate_up_proj.weight"].copy_(torch.cat(
-                    [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")]))
-                own[p + "mlp.down_proj.weight"].copy_(take(hf + "mlp.down_proj.weight"))
+                    [rows(take(hf + "mlp.gate_proj.weight")), rows(take(hf + "mlp.up_proj.weight"))]))
+                own[p + "mlp.down_proj.weight"].copy_(cols(take(hf + "mlp.down_proj.weight")))
         unused = sorted(set(weights) - used - {k for k in weights if "rotary_emb" in k})
         if unused:
             raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")

@@ -160,3 +160,12 @@ def _hf_name(gguf_name: str) -> str:
     if part not in _GGUF_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
     return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
+
+
+def load_tokenizer_only(model: str):
+    """The model's tokenizer without reading its weights (for a front process)."""
+    from shoal.tokenizer import Tokenizer
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return Tokenizer(path.parent, path.name, file_checksum([path]))
+    return Tokenizer(path, None, "")

@@ -1,0 +1,90 @@
+"""The process group: the only module that calls torch.distributed.
+
+Ranks are processes; gloo on CPU, NCCL on CUDA. Addresses come from the launcher
+(`init_method`, e.g. tcp://127.0.0.1:PORT from a locally spawned fleet, or env:// under
+torchrun). Every collective the engine issues goes through `Comm`, which counts them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this process sits in the fleet (what the model and scheduler are told)."""
+
+    rank: int
+    world_size: int
+    tp_size: int  # ranks sharing attention heads and the MLP of the same requests
+    dp_size: int  # attention data-parallel owners
+    mode: str  # "single" | "tp" | "adp"
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size if self.mode == "tp" else 0
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 drives scheduling input and reports outputs in TP mode."""
+        return self.rank == 0
+
+
+SINGLE = ParallelInfo(rank=0, world_size=1, tp_size=1, dp_size=1, mode="single")
+
+
+class Comm:
+    """Collectives over one process group (a no-op world of one when not initialised)."""
+
+    def __init__(self, info: ParallelInfo, backend: str | None = None,
+                 init_method: str | None = None, timeout_s: float = 600.0):
+        self.info = info
+        self.num_control_collectives = 0
+        self.num_data_collectives = 0
+        self._control = None
+        if info.world_size > 1:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            dist.init_process_group(backend=backend, init_method=init_method, rank=info.rank,
+                                    world_size=info.world_size, timeout=timeout)
+            # Control messages travel on their own (CPU) group: the overlap loop issues them
+            # on the scheduling thread while the forward's all-reduces run on another thread,
+            # and collectives of one group must be issued in the same order on every rank.
+            self._control = dist.new_group(backend="gloo", timeout=timeout)
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over all ranks (the row-parallel layers' partial outputs)."""
+        if self.world_size > 1:
+            self.num_data_collectives += 1
+            dist.all_reduce(t)
+        return t
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """The per-step control message: a fixed-size int64 vector from every rank."""
+        if self.world_size == 1:
+            return [list(values)]
+        self.num_control_collectives += 1
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self._control)
+        return [t.tolist() for t in out]
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Rank `src`'s object on every rank (new requests: trusted, in-job traffic only)."""
+        if self.world_size == 1:
+            return obj
+        self.num_control_collectives += 1
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._control)
+        return box[0]
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,183 @@
+"""A local fleet of rank processes, driven from the user's process (the front).
+
+The front spawns one process per rank (multiprocessing "spawn"), gives them a
+`tcp://127.0.0.1:<free port>` rendezvous, sends requests to the driver (rank 0) over a
+pipe, and receives finished requests back. Requests and outputs never travel on the
+collective group. If any rank dies or reports an error, the front raises, and
+`shutdown()` ends every process it started.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import random
+import socket
+from dataclasses import replace
+from multiprocessing.connection import wait
+
+from shoal.config import EngineConfig
+from shoal.model.loader import load_tokenizer_only
+from shoal.request import Request, RequestMetrics
+from shoal.sampling import SamplingParams
+
+READY_TIMEOUT_SECONDS = 600.0  # model loading on every rank
+SHUTDOWN_TIMEOUT_SECONDS = 30.0
+POLL_SECONDS = 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FleetError(RuntimeError):
+    """A rank died or failed: the fleet is unusable (restart required)."""
+
+
+class Fleet:
+    """Engine-like handle (add_request / step / stats / shutdown) over rank processes."""
+
+    def __init__(self, config: EngineConfig):
+        from shoal.parallel.rank import rank_main
+
+        self.config = config
+        self.world_size = config.tp_size
+        self.tokenizer = load_tokenizer_only(config.model)
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._conns, self._procs = [], []
+        self._closed = False
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, name=f"shoal-rank-{rank}", daemon=True,
+                               args=(rank, self.world_size, init_method, config, child))
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._ids = itertools.count()
+        self._pending: dict[str, Request] = {}
+        self._finished_early: list[Request] = []  # arrived while collecting something else
+        try:
+            infos = self._collect("ready", READY_TIMEOUT_SECONDS)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.info = infos[0]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._pending)
+
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                    request_id: str | None = None, prompt: str | None = None,
+                    cache_salt: str | None = None) -> Request:
+        if not sampling.is_greedy and sampling.seed is None:
+            # every rank samples the same token only from the same seed
+            sampling = replace(sampling, seed=random.getrandbits(62))
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, list(prompt_token_ids), sampling, frozenset(), cache_salt=cache_salt,
+                      prompt=prompt)
+        self._pending[rid] = req
+        self._send(0, ("add", dict(prompt_token_ids=req.prompt_token_ids, sampling=sampling,
+                                   request_id=rid, cache_salt=cache_salt)))
+        return req
+
+    def step(self) -> list[Request]:
+        """Wait a little for finished requests from the driver."""
+        finished, self._finished_early = self._finished_early, []
+        for kind, rank, payload in self._receive(0.0 if finished else POLL_SECONDS):
+            if kind == "done":
+                finished += [self._finish(record) for record in payload]
+        return finished
+
+    def stats(self) -> dict:
+        self._send(0, ("stats", None))
+        per_rank = self._collect("stats", READY_TIMEOUT_SECONDS)
+        total = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
+        return {**total, "per_rank": per_rank}
+
+    def check_integrity(self) -> None:
+        """Block accounting is checked inside each rank after every step in tests of the
+        engine; over the fleet we check that nothing is left pending."""
+        assert not self._pending or all(r.is_finished for r in self._pending.values())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._procs[0].is_alive():
+                self._conns[0].send(("shutdown", None))
+        except OSError:
+            pass
+        for proc in self._procs:
+            proc.join(SHUTDOWN_TIMEOUT_SECONDS)
+        for proc in self._procs:  # whatever did not stop by itself
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _finish(self, record: dict) -> Request:
+        req = self._pending.pop(record["request_id"])
+        req.output_token_ids = record["token_ids"]
+        req.finish_reason, req.error = record["finish_reason"], record["error"]
+        req.metrics = RequestMetrics(record["arrival"], record["first_token"], record["finish"])
+        req.num_local_prefix_tokens = record["num_local_prefix_tokens"]
+        req.num_connector_tokens = record["num_connector_tokens"]
+        return req
+
+    def _send(self, rank: int, msg) -> None:
+        if self._closed:
+            raise RuntimeError("this fleet has been shut down")
+        try:
+            self._conns[rank].send(msg)
+        except OSError as e:
+            self._fail(f"rank {rank} is unreachable ({e})")
+
+    def _receive(self, timeout: float) -> list[tuple[str, int, object]]:
+        """Messages ready within `timeout`; raises FleetError if a rank died or failed."""
+        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
+        ready = wait([*self._conns, *sentinels], timeout)
+        messages = []
+        for obj in ready:
+            if obj in sentinels:
+                continue  # handled below, after reading what the rank said before dying
+            while obj.poll():
+                try:
+                    messages.append(obj.recv())
+                except EOFError:
+                    break
+        for kind, rank, payload in messages:
+            if kind == "error":
+                self._fail(f"rank {rank} failed: {payload}")
+        for i, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                self._fail(f"rank {i} exited unexpectedly (exit code {proc.exitcode})")
+        return messages
+
+    def _collect(self, kind: str, timeout: float) -> list:
+        """One `kind` message from every rank, in rank order."""
+        got: dict[int, object] = {}
+        waited = 0.0
+        while len(got) < self.world_size:
+            for k, rank, payload in self._receive(POLL_SECONDS):
+                if k == kind:
+                    got[rank] = payload
+                elif k == "done":
+                    for record in payload:
+                        self._finished_early.append(self._finish(record))
+            waited += POLL_SECONDS
+            if waited > timeout:
+                self._fail(f"no {kind!r} from ranks {sorted(set(range(self.world_size)) - set(got))}")
+        return [got[r] for r in range(self.world_size)]
+
+    def _fail(self, message: str) -> None:
+        self.shutdown()
+        raise FleetError(f"{message}; the fleet is stopped, a restart is required")
