@@ -190,15 +190,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def check_shardable(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError unless tp_size divides every dimension tensor parallelism splits."""
+    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide the model's {name} ({n})")
+
+
 class LlamaModel(nn.Module):
     """Decoder stack + LM head. Parameter names follow HF with q/k/v and gate/up merged."""
 
     def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
-            if n % shard.size:
-                raise ValueError(f"tp_size={shard.size} must divide the model's {name} ({n})")
+        check_shardable(cfg, shard.size)
         self.cfg = cfg
         self.shard = shard
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -104,12 +104,37 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def load_model_config(model: str) -> ModelConfig:
+    """The architecture alone (no weights read): for validating a fleet before spawning it."""
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+        return _gguf_config(GGUFReader(str(path)), path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    raise ValueError(f"model path {str(path)!r} is not a .gguf file or a directory with config.json")
+
+
 def _load_gguf(path: Path) -> ModelSource:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
+    config = _gguf_config(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = t.name
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
+        if name.endswith("attn_q.weight"):
+            w = _unpermute(w, config.num_heads)
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute(w, config.num_kv_heads)
+        weights[_hf_name(name)] = torch.from_numpy(np.require(w, requirements=['C', 'W']))
+    return ModelSource(config, weights, file_checksum([path]), path.parent, path.name)
 
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
     def field(name: str, default=None):
         f = reader.fields.get(name)
         return default if f is None else f.contents()
@@ -124,7 +149,7 @@ def _load_gguf(path: Path) -> ModelSource:
     num_heads = field("llama.attention.head_count")
     hidden = field("llama.embedding_length")
     eos = field("tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
+    return ModelConfig(
         vocab_size=tensors["token_embd.weight"].shape[1].item(),
         hidden_size=hidden,
         intermediate_size=field("llama.feed_forward_length"),
@@ -139,16 +164,6 @@ def _load_gguf(path: Path) -> ModelSource:
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
     )
-    weights: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
-        if name.endswith("attn_q.weight"):
-            w = _unpermute(w, config.num_heads)
-        elif name.endswith("attn_k.weight"):
-            w = _unpermute(w, config.num_kv_heads)
-        weights[_hf_name(name)] = torch.from_numpy(np.require(w, requirements=['C', 'W']))
-    return ModelSource(config, weights, file_checksum([path]), path.parent, path.name)
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -43,8 +43,9 @@ class Comm:
     def __init__(self, info: ParallelInfo, backend: str | None = None,
                  init_method: str | None = None, timeout_s: float = 600.0):
         self.info = info
-        self.num_control_collectives = 0
-        self.num_data_collectives = 0
+        self.num_control_collectives = 0  # per-step gathers and request broadcasts
+        self.num_broadcasts = 0  # of which request broadcasts
+        self.num_data_collectives = 0  # all-reduces inside the forward
         self._control = None
         if info.world_size > 1:
             timeout = datetime.timedelta(seconds=timeout_s)
@@ -81,6 +82,7 @@ class Comm:
         if self.world_size == 1:
             return obj
         self.num_control_collectives += 1
+        self.num_broadcasts += 1
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self._control)
         return box[0]

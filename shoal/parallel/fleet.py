@@ -17,7 +17,8 @@ from dataclasses import replace
 from multiprocessing.connection import wait
 
 from shoal.config import EngineConfig
-from shoal.model.loader import load_tokenizer_only
+from shoal.model.llama import check_shardable
+from shoal.model.loader import load_model_config, load_tokenizer_only
 from shoal.request import Request, RequestMetrics
 from shoal.sampling import SamplingParams
 
@@ -44,6 +45,7 @@ class Fleet:
 
         self.config = config
         self.world_size = config.tp_size
+        check_shardable(load_model_config(config.model), config.tp_size)
         self.tokenizer = load_tokenizer_only(config.model)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"

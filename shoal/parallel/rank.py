@@ -64,7 +64,9 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
 
 
 def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
+    num_loops = 0
     while True:
+        num_loops += 1
         new, shutdown, want_stats = [], 0, 0
         if rank == 0:
             timeout = 0.0 if engine.has_work else IDLE_WAIT_SECONDS
@@ -84,7 +86,9 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
         for spec in new:
             engine.add_request(**spec)
         if control[2]:
-            conn.send(("stats", rank, engine.stats()))
+            conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
+                                       "control_broadcasts": comm.num_broadcasts,
+                                       "data_collectives": comm.num_data_collectives}))
         if control[1]:
             engine.shutdown()
             return

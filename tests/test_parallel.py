@@ -1,0 +1,98 @@
+"""Several ranks (tensor parallel over gloo): equality with one rank, control, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from shoal import LLM, SamplingParams
+from shoal.parallel.fleet import FleetError
+from tests.conftest import random_prompts
+
+SP = SamplingParams(max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(512, [3, 9, 16, 33, 50, 1])
+
+
+def single_rank(model, prompts, sampling=SP):
+    with LLM(model, block_size=4, num_kv_blocks=128) as llm:
+        return [o.token_ids for o in llm.generate(prompts, sampling)]
+
+
+@pytest.mark.parametrize("name", ["mha_untied", "gqa_tied"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tp2_equals_one_rank(tiny_models, prompts, name, overlap):
+    model = str(tiny_models[name])
+    expected = single_rank(model, prompts)
+    with LLM(model, tp_size=2, block_size=4, num_kv_blocks=128, overlap_scheduler=overlap,
+             max_num_tokens=24) as llm:
+        outs = llm.generate(prompts, SP)
+        stats = llm.stats()
+        procs = list(llm.engine._procs)
+    assert [o.token_ids for o in outs] == expected
+    assert len(stats["per_rank"]) == 2
+    for s in stats["per_rank"]:
+        # one control all-gather per loop iteration, plus a broadcast when requests arrive
+        assert s["control_collectives"] == s["rank_loop_iterations"] + s["control_broadcasts"]
+        assert s["control_broadcasts"] >= 1 and s["iterations"] <= s["rank_loop_iterations"]
+        assert s["data_collectives"] == 2 * 3 * s["forward_passes"]  # 2 all-reduces per layer
+    assert [p.is_alive() for p in procs] == [False, False]  # shutdown left no process
+
+
+def test_tp2_seeded_and_unseeded_sampling_agree_across_ranks(tiny_models, prompts):
+    model = str(tiny_models["mha_untied"])
+    seeded = [SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=i) for i in range(6)]
+    with LLM(model, tp_size=2, block_size=4, num_kv_blocks=128) as llm:
+        outs = llm.generate(prompts, seeded)
+        unseeded = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.9))
+    assert [o.token_ids for o in outs] == single_rank(model, prompts, seeded)
+    # unseeded: the front fixes a seed, so both ranks drew the same tokens (no divergence)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 for o in unseeded)
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_equals_one_rank(smollm2_path, smollm2):
+    tok = smollm2.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name three primary colors.")]
+    prompts.append(tok.encode("The lighthouse keeper climbed the stairs. " * 10))
+    sp = SamplingParams(max_tokens=16)
+    expected = [o.token_ids for o in smollm2.generate(prompts, sp)]
+    with LLM(smollm2_path, tp_size=3, num_kv_blocks=128) as llm:
+        outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == expected
+    assert "Paris" in outs[0].text
+
+
+def test_killed_rank_stops_the_fleet_within_bound(tiny_models):
+    llm = LLM(str(tiny_models["mha_untied"]), tp_size=2, block_size=4, num_kv_blocks=300)
+    fleet = llm.engine
+    procs = list(fleet._procs)
+    req = fleet.add_request(random_prompts(512, [8])[0], SamplingParams(max_tokens=1000,
+                                                                        ignore_eos=True))
+    fleet.step()
+    assert not req.is_finished  # killed mid-generation
+    os.kill(procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(FleetError, match="rank . (failed|exited).*restart is required"):
+        while time.monotonic() - start < 60:
+            fleet.step()
+    assert time.monotonic() - start < 60
+    assert [p.is_alive() for p in procs] == [False, False]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(tp_size=0), "tp_size"), (dict(dp_size=0), "dp_size"),
+    (dict(tp_size=17), "more ranks than allowed"), (dict(tp_size=3), "must divide"),
+    (dict(dp_size=2), "dp_size=2"),
+])
+def test_bad_parallel_config(tiny_models, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(tiny_models["mha_untied"]), **kwargs)
