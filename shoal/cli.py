@@ -133,6 +133,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("no prompts: give --prompt TEXT or --prompts-file F")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    from shoal.parallel.torchrun import launched_by_torchrun
+    if launched_by_torchrun():
+        return _generate_under_torchrun(args, prompts, sampling)
     with LLM(args.model, **_engine_kwargs(args)) as llm:
         show_bar = len(prompts) > 1 or args.max_tokens > 64
         if args.chat:
@@ -141,6 +144,34 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             outs = llm.generate(prompts, sampling, use_tqdm=show_bar)
         stats = llm.stats()
+    return _print_outputs(args, outs, stats)
+
+
+def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:
+    from shoal.config import EngineConfig
+    from shoal.llm import to_output
+    from shoal.model.loader import load_tokenizer_only
+    from shoal.parallel.torchrun import run_requests
+
+    if not sampling.is_greedy and sampling.seed is None:
+        raise ValueError("--seed is required for sampling under torchrun (every rank must "
+                         "draw the same tokens)")
+    kw = _engine_kwargs(args)
+    if kw.pop("kv_pool") is not None:
+        raise ValueError("--kv-pool with --tp > 1 is not available in this version")
+    config = EngineConfig(model=args.model, **kw)
+    tok = load_tokenizer_only(args.model)
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat
+           else tok.encode(p) for p in prompts]
+    reqs, stats = run_requests(config, [dict(prompt_token_ids=i, sampling=sampling, prompt=p)
+                                        for i, p in zip(ids, prompts)])
+    if reqs is None:
+        return 0  # not rank 0: rank 0 prints
+    outs = [to_output(r, tok) for r in reqs]
+    return _print_outputs(args, outs, {**stats, "per_rank": [stats]})
+
+
+def _print_outputs(args, outs, stats) -> int:
     failed = 0
     for i, out in enumerate(outs):
         failed += out.finish_reason == "error"

@@ -117,14 +117,17 @@ class LLM:
                 bar.close()
 
     def _output(self, req: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=self.tokenizer.decode(req.output_token_ids) if self.tokenizer.is_available else "",
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason, error=req.error, metrics=req.metrics,
-            num_local_prefix_tokens=req.num_local_prefix_tokens or 0,
-            num_connector_tokens=req.num_connector_tokens)
+        return to_output(req, self.tokenizer)
+
+
+def to_output(req: Request, tokenizer) -> RequestOutput:
+    """The user-facing result of a finished request (text decoded when a tokenizer exists)."""
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        text=tokenizer.decode(req.output_token_ids) if tokenizer.is_available else "",
+        token_ids=list(req.output_token_ids), finish_reason=req.finish_reason, error=req.error,
+        metrics=req.metrics, num_local_prefix_tokens=req.num_local_prefix_tokens or 0,
+        num_connector_tokens=req.num_connector_tokens)
 
 
 def _per_prompt(sampling, n: int) -> list[SamplingParams]:

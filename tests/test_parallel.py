@@ -96,3 +96,27 @@ def test_killed_rank_stops_the_fleet_within_bound(tiny_models):
 def test_bad_parallel_config(tiny_models, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         LLM(str(tiny_models["mha_untied"]), **kwargs)
+
+
+@pytest.mark.slow
+def test_torchrun_launch_of_three_local_ranks(smollm2_path, smollm2):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shoal.parallel.fleet import free_port
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    question = "What is the capital of France?"
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "3", "--master-port", str(free_port()),
+                        "-m", "shoal", "generate", "--model", smollm2_path, "--tp", "3", "--chat",
+                        "--prompt", question, "--max-tokens", "12", "--json",
+                        "--num-kv-blocks", "64"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    expected = smollm2.chat([[{"role": "user", "content": question}]],
+                            SamplingParams(max_tokens=12))[0]
+    assert lines[0]["token_ids"] == expected.token_ids and "Paris" in lines[0]["text"]
+    summary = lines[-1]["summary"]
+    assert summary["control_collectives"] == summary["iterations"] + 1  # + the final "done?"
