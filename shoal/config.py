@@ -57,14 +57,15 @@ class EngineConfig:
         if self.kv_connector is not None and not isinstance(self.kv_connector, ConnectorConfig):
             raise ValueError("kv_connector must be a shoal.connectors.ConnectorConfig, got "
                              f"{type(self.kv_connector).__name__}")
-        if self.dp_size > 1:
-            raise ValueError(f"dp_size={self.dp_size}: attention data parallel is not available "
-                             "in this version (allowed: 1)")
+        if self.dp_size > 1 and self.tp_size > 1:
+            raise ValueError(f"dp_size={self.dp_size} with tp_size={self.tp_size}: combining "
+                             "attention DP and TP is not supported (set one of them to 1)")
         max_ranks = (torch.cuda.device_count() if self.device.startswith("cuda")
                      else MAX_CPU_RANKS)
-        if self.tp_size > max_ranks:
-            raise ValueError(f"tp_size={self.tp_size} is more ranks than allowed on "
-                             f"{self.device} (allowed: 1..{max_ranks})")
+        for name in ("tp_size", "dp_size"):
+            if getattr(self, name) > max_ranks:
+                raise ValueError(f"{name}={getattr(self, name)} is more ranks than allowed on "
+                                 f"{self.device} (allowed: 1..{max_ranks})")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,7 @@ STAT_KEYS = (
     "load_failures_recomputed", "deadline_expiries", "cancellations",
     "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
     "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved", "load_gbps", "save_gbps",
+    "kv_blocks_used",
 )
 
 
@@ -48,7 +49,8 @@ class EngineInfo:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, info: ParallelInfo = SINGLE, comm: Comm | None = None):
+    def __init__(self, config: EngineConfig, info: ParallelInfo = SINGLE, comm: Comm | None = None,
+                 fleet_sync=None):
         self.config = config
         self.info_parallel = info
         self.comm = comm or Comm(info)
@@ -57,7 +59,12 @@ class Engine:
         self.model_config = source.config
         self.tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
         dtype = config.torch_dtype
-        shard = Shard(info.tp_rank, info.tp_size if info.mode == "tp" else 1, self.comm.all_reduce_)
+        if info.mode == "tp":
+            shard = Shard(info.rank, info.tp_size, self.comm.all_reduce_)
+        elif info.mode == "adp":
+            shard = Shard(info.rank, info.dp_size, self.comm.all_reduce_, self.comm.all_gather_)
+        else:
+            shard = Shard()
         with torch.device("meta"):
             model = LlamaModel(source.config, shard)
         model = model.to_empty(device=self.device)
@@ -68,7 +75,7 @@ class Engine:
         del source.weights
 
         cfg = source.config
-        num_kv_heads = cfg.num_kv_heads // shard.size
+        num_kv_heads = cfg.num_kv_heads // shard.attention_size
         probe = KVCacheLayout(1, cfg.num_layers, config.block_size, num_kv_heads, cfg.head_dim,
                               dtype)
         num_blocks = config.num_kv_blocks or max(
@@ -78,8 +85,10 @@ class Engine:
         self.kv_cache = KVCache(layout, self.device)
         identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
                                    digest_size=16).hexdigest()
+        # keys name the shard of the KV (TP), never the ADP owner: owners share the pool
+        tp_size, tp_rank = (shard.size, shard.rank) if shard.shards_attention else (1, 0)
         namespace = make_namespace(identity, dtype, config.block_size, layout.layout_version,
-                                   tp_size=shard.size, tp_rank=shard.rank)
+                                   tp_size=tp_size, tp_rank=tp_rank)
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                             cfg.max_position_embeddings)
         self.info = EngineInfo(num_blocks, layout.block_nbytes, max_model_len, namespace.hex())
@@ -88,8 +97,8 @@ class Engine:
         self.connector = None
         if config.kv_connector is not None:
             if info.mode != "single":
-                raise ValueError("kv_connector with tp_size > 1 is not available in this "
-                                 "version (connectors across ranks come next)")
+                raise ValueError("kv_connector with tp_size or dp_size > 1 is not available in "
+                                 "this version (connectors across ranks come next)")
             ctx = ConnectorContext(rank=0, world_size=1, owner_rank=0, mode="single",
                                    block_size=config.block_size, namespace=namespace.hex(),
                                    device=str(self.device))
@@ -98,7 +107,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
                                    max_model_len, self.connector)
         self.executor = Executor(self.scheduler, ModelRunner(self.model, self.kv_cache, self.device),
-                                 config.overlap_scheduler, self.connector)
+                                 config.overlap_scheduler, self.connector, fleet_sync)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._ids = itertools.count()
         self._rejected: list[Request] = []
@@ -142,6 +151,7 @@ class Engine:
         s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
         s["preemptions"] = self.scheduler.num_preemptions
         s["control_collectives"] = self.comm.num_control_collectives
+        s["kv_blocks_used"] = sum(b.ref_count > 0 for b in self.kv_manager.pool.blocks)
         if self.connector is not None:
             s.update(self.connector.stats())
         for kind, moved in (("load", "bytes_loaded"), ("save", "bytes_saved")):

@@ -41,8 +41,11 @@ class StepResult:
 
 class Executor:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool,
-                 connector: ConnectorManager | None = None):
+                 connector: ConnectorManager | None = None, fleet_sync=None):
         self.scheduler = scheduler
+        # ADP: fleet_sync(num_tokens, has_work) -> every owner's num_tokens (the step's one
+        # control all-gather); every owner joins a forward if any owner has tokens
+        self.fleet_sync = fleet_sync
         self.runner = runner
         self.overlap = overlap
         self.connector = connector
@@ -59,7 +62,10 @@ class Executor:
     def step(self) -> StepResult:
         self.num_iterations += 1
         batch = self.scheduler.schedule()
-        runs = not batch.is_empty or batch.has_transfers  # else: an idle step, nothing to run
+        if self.fleet_sync is not None:
+            batch.dp_token_counts = self.fleet_sync(batch.num_tokens, self.has_work)
+        # else an idle step: nothing to run
+        runs = not batch.is_empty or batch.has_transfers or batch.is_padding
         if self.overlap:
             finished = self._overlap_step(batch if runs else None)
         else:
@@ -88,16 +94,16 @@ class Executor:
         """One step's work on the executing thread: connector hooks around the forward."""
         for request_id in forget_ids:
             self.runner.forget(request_id)
-        if self.connector is not None:
-            self.connector.begin_step(batch.connector_meta)
+        connector = None if batch.is_padding else self.connector  # padding reaches none
+        if connector is not None:
+            connector.begin_step(batch.connector_meta)
         sampled = []
-        if not batch.is_empty:
+        if not batch.is_empty or batch.is_padding:
             self.num_forward_passes += 1
-            hooks = self.connector.worker if self.connector is not None else None
-            sampled = self.runner.execute(batch, hooks)
+            sampled = self.runner.execute(batch, connector.worker if connector else None)
         report = None
-        if self.connector is not None:
-            report = self.connector.end_step(batch.saving_ids, batch.loading_ids)
+        if connector is not None:
+            report = connector.end_step(batch.saving_ids, batch.loading_ids)
         return StepOutput(sampled, report)
 
     def _update(self, batch: ScheduledBatch, out: StepOutput, defer_free: bool) -> list[Request]:

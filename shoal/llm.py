@@ -38,7 +38,7 @@ class LLM:
             max_model_len=max_model_len, overlap_scheduler=overlap_scheduler,
             enable_prefix_caching=enable_prefix_caching, device=device, dtype=dtype,
             dp_size=dp_size, tp_size=tp_size, kv_connector=kv_connector)
-        if self.config.tp_size > 1:
+        if self.config.tp_size > 1 or self.config.dp_size > 1:
             from shoal.parallel.fleet import Fleet
             self._engine: Engine | Fleet | None = Fleet(self.config)
         else:

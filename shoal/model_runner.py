@@ -78,7 +78,8 @@ class ModelRunner:
             slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
             slot_offsets=(pos % bs).to(self.device),
             decode_rows=None, decode_block_table=None, decode_mask=None,
-            decode_context_len=max(decode_lens, default=0), prefills=prefills)
+            decode_context_len=max(decode_lens, default=0), prefills=prefills,
+            dp_token_counts=batch.dp_token_counts)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             table = [t + [0] * (width - len(t)) for t in decode_tables]  # pad with any block

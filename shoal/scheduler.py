@@ -36,11 +36,18 @@ class ScheduledBatch:
     connector_meta: Any = None  # the connector's plan for this step (None without one)
     saving_ids: list[str] = field(default_factory=list)  # pending saves to poll after it
     save_epochs: dict[str, int] = field(default_factory=dict)  # their episodes at launch
+    dp_token_counts: list[int] | None = None  # ADP: every owner's num_tokens this step
     loading_ids: list[str] = field(default_factory=list)  # pending loads to poll after it
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def is_padding(self) -> bool:
+        """ADP: nothing to compute here, but a peer computes, so this owner joins the forward
+        with zero tokens (no KV allocated, no connector call)."""
+        return self.is_empty and bool(self.dp_token_counts) and any(self.dp_token_counts)
 
     @property
     def has_transfers(self) -> bool:

@@ -70,8 +70,9 @@ def test_smollm2_tp3_equals_one_rank(smollm2_path, smollm2):
     assert "Paris" in outs[0].text
 
 
-def test_killed_rank_stops_the_fleet_within_bound(tiny_models):
-    llm = LLM(str(tiny_models["mha_untied"]), tp_size=2, block_size=4, num_kv_blocks=300)
+@pytest.mark.parametrize("mode", ["tp_size", "dp_size"])
+def test_killed_rank_stops_the_fleet_within_bound(tiny_models, mode):
+    llm = LLM(str(tiny_models["mha_untied"]), **{mode: 2}, block_size=4, num_kv_blocks=300)
     fleet = llm.engine
     procs = list(fleet._procs)
     req = fleet.add_request(random_prompts(512, [8])[0], SamplingParams(max_tokens=1000,
@@ -91,7 +92,8 @@ def test_killed_rank_stops_the_fleet_within_bound(tiny_models):
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(tp_size=0), "tp_size"), (dict(dp_size=0), "dp_size"),
     (dict(tp_size=17), "more ranks than allowed"), (dict(tp_size=3), "must divide"),
-    (dict(dp_size=2), "dp_size=2"),
+    (dict(dp_size=17), "dp_size=17 is more ranks"), (dict(dp_size=2, tp_size=2), "not supported"),
+    (dict(dp_size=3), "dp_size=3 must divide the model's intermediate_size"),
 ])
 def test_bad_parallel_config(tiny_models, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -120,3 +122,65 @@ def test_torchrun_launch_of_three_local_ranks(smollm2_path, smollm2):
     assert lines[0]["token_ids"] == expected.token_ids and "Paris" in lines[0]["text"]
     summary = lines[-1]["summary"]
     assert summary["control_collectives"] == summary["iterations"] + 1  # + the final "done?"
+
+
+WORKLOADS = {  # name -> (prompt lengths, max_tokens per prompt)
+    "one_request_idle_owner": ([21], [16]),
+    "four_equal": ([12, 12, 12, 12], [16] * 4),
+    "unequal_lengths": ([3, 40, 9, 70, 1], [16] * 5),
+    "one_owner_finishes_early": ([10, 11], [2, 40]),
+}
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_adp2_equals_one_rank(tiny_models, workload, overlap):
+    model = str(tiny_models["gqa_tied"])
+    lengths, max_tokens = WORKLOADS[workload]
+    prompts = random_prompts(512, lengths, seed=5)
+    sampling = [SamplingParams(max_tokens=n) for n in max_tokens]
+    expected = single_rank(model, prompts, sampling)
+    with LLM(model, dp_size=2, block_size=4, num_kv_blocks=128, overlap_scheduler=overlap,
+             max_num_tokens=32) as llm:
+        outs = llm.generate(prompts, sampling)
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    for s in stats["per_rank"]:
+        assert s["control_collectives"] == s["iterations"]  # exactly one per step
+        assert s["kv_blocks_used"] == 0 or s["prompt_tokens"] > 0
+        # every owner joined every forward: 2 gathers + 2 all-reduces... per layer (MLP)
+        assert s["data_collectives"] == 2 * 3 * s["forward_passes"]
+    a, b = stats["per_rank"]
+    assert a["forward_passes"] == b["forward_passes"]  # no owner ever skipped a forward alone
+    if workload == "one_request_idle_owner":
+        idle = min(stats["per_rank"], key=lambda s: s["generated_tokens"])
+        assert idle["generated_tokens"] == 0 and idle["forward_passes"] > 0
+        assert idle["kv_blocks_used"] == 0  # padding allocated nothing
+
+
+@pytest.mark.slow
+def test_smollm2_adp2_equals_one_rank(smollm2_path, smollm2):
+    tok = smollm2.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name three primary colors.",
+                         "What is 12 times 12?")]
+    sp = SamplingParams(max_tokens=16)
+    expected = [o.token_ids for o in smollm2.generate(prompts, sp)]
+    with LLM(smollm2_path, dp_size=2, num_kv_blocks=128) as llm:
+        outs = llm.generate(prompts, sp)
+        per_rank = llm.stats()["per_rank"]
+    assert [o.token_ids for o in outs] == expected
+    assert all(s["prompt_tokens"] > 0 for s in per_rank)  # the router used both owners
+
+
+def test_router_is_load_aware_with_prefix_affinity():
+    from shoal.parallel.fleet import Router
+    r = Router(2, block_size=4)
+    a, b = [1, 2, 3, 4, 5], [9, 9, 9, 9]
+    # a -> 0; b -> 1; a again: tie, affinity -> 0; a again: owner 0 busier, load wins -> 1;
+    # b again: tie, affinity -> 1
+    assert [r.assign(p) for p in (a, b, a + [6], a + [7], b + [1])] == [0, 1, 0, 1, 1]
+    assert r.load == [2, 3]
+    r.release(1)
+    r.release(1)
+    assert r.assign([5, 5]) == 1  # shorter than a block: no affinity, least loaded

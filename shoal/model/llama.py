@@ -40,6 +40,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks*block_size] bool; None if all equal
     decode_context_len: int  # keys attended by the longest decode
     prefills: list[PrefillSeq]
+    dp_token_counts: list[int] | None = None  # ADP: every owner's tokens in this forward
 
 
 class RMSNorm(nn.Module):
@@ -78,11 +79,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's slice of a tensor-parallel model (heads and MLP columns/rows)."""
+    """This rank's slice of a tensor-parallel model.
+
+    TP: heads and MLP are split, every rank sees the same tokens. ADP: attention is whole
+    on every rank (each owner attends over its own requests), the MLP is split, and each
+    layer gathers every owner's tokens before it and hands each owner its rows after."""
 
     rank: int = 0
     size: int = 1
     reduce: object = None  # callable summing a tensor in place over the shard's ranks
+    gather: object = None  # ADP: callable all-gathering equal-sized tensors (None in TP)
+
+    @property
+    def shards_attention(self) -> bool:
+        return self.gather is None
+
+    @property
+    def attention_size(self) -> int:
+        return self.size if self.shards_attention else 1
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.size == 1 else self.reduce(t)
@@ -95,8 +109,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.shard = shard
-        self.num_heads = cfg.num_heads // shard.size
-        self.num_kv_heads = cfg.num_kv_heads // shard.size
+        self.num_heads = cfg.num_heads // shard.attention_size
+        self.num_kv_heads = cfg.num_kv_heads // shard.attention_size
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
@@ -116,7 +130,9 @@ class Attention(nn.Module):
         k_cache[meta.slot_block_ids, meta.slot_offsets] = k
         v_cache[meta.slot_block_ids, meta.slot_offsets] = v
 
-        if not meta.prefills:  # steady-state decode: every row is one request's next token
+        if num_tokens == 0:  # an ADP padding step: this owner has nothing, its peers do
+            out = q
+        elif not meta.prefills:  # steady-state decode: every row is one request's next token
             out = self._decode(q, meta, k_cache, v_cache)
         elif meta.decode_rows is None and len(meta.prefills) == 1:
             out = self._prefill(q, meta.prefills[0], k_cache, v_cache)
@@ -127,8 +143,8 @@ class Attention(nn.Module):
             for seq in meta.prefills:
                 rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
                 out[rows] = self._prefill(q[rows], seq, k_cache, v_cache)
-        return self.shard.all_reduce_(
-            self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.shard.all_reduce_(out) if self.shard.shards_attention else out
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         # block_ids [..., nb] -> [..., Hkv, nb*block_size, D]
@@ -172,9 +188,21 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, meta: AttentionMetadata):
+        if self.shard.gather is None:
+            return self.shard.all_reduce_(self._mlp(x))
+        # ADP: rows of every owner, padded to the longest, through this rank's MLP columns;
+        # the sum over ranks is the full MLP output, of which this owner keeps its rows.
+        counts = meta.dp_token_counts
+        width, mine = max(counts), x.shape[0]
+        padded = F.pad(x, (0, 0, 0, width - mine))  # [width, hidden]
+        every = self.shard.gather(padded)  # [num_owners * width, hidden]
+        out = self.shard.all_reduce_(self._mlp(every))
+        return out[self.shard.rank * width:self.shard.rank * width + mine]
+
+    def _mlp(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.shard.all_reduce_(self.down_proj(F.silu(gate) * up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -187,15 +215,22 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta)
 
 
-def check_shardable(cfg: ModelConfig, tp_size: int) -> None:
-    """ValueError unless tp_size divides every dimension tensor parallelism splits."""
-    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
-        if n % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide the model's {name} ({n})")
+def _whole(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+def check_shardable(cfg: ModelConfig, size: int, field: str = "tp_size") -> None:
+    """ValueError unless `size` divides every dimension the split touches (ADP, named by
+    field="dp_size", splits only the MLP)."""
+    dims = [("intermediate_size", cfg.intermediate_size)]
+    if field == "tp_size":
+        dims = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), *dims]
+    for name, n in dims:
+        if n % size:
+            raise ValueError(f"{field}={size} must divide the model's {name} ({n})")
 
 
 class LlamaModel(nn.Module):
@@ -203,7 +238,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        check_shardable(cfg, shard.size)
+        check_shardable(cfg, shard.size, "tp_size" if shard.shards_attention else "dp_size")
         self.cfg = cfg
         self.shard = shard
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -262,6 +297,8 @@ class LlamaModel(nn.Module):
             step = w.shape[1] // n
             return w[:, r * step:(r + 1) * step]
 
+        attn_rows, attn_cols = (rows, cols) if self.shard.shards_attention else (_whole, _whole)
+
         with torch.no_grad():
             own["embed_tokens.weight"].copy_(take("model.embed_tokens.weight"))
             own["norm.weight"].copy_(take("model.norm.weight"))
@@ -275,8 +312,9 @@ class LlamaModel(nn.Module):
                 own[p + "post_attention_layernorm.weight"].copy_(
                     take(hf + "post_attention_layernorm.weight"))
                 own[p + "self_attn.qkv_proj.weight"].copy_(torch.cat(
-                    [rows(take(hf + f"self_attn.{x}_proj.weight")) for x in "qkv"]))
-                own[p + "self_attn.o_proj.weight"].copy_(cols(take(hf + "self_attn.o_proj.weight")))
+                    [attn_rows(take(hf + f"self_attn.{x}_proj.weight")) for x in "qkv"]))
+                own[p + "self_attn.o_proj.weight"].copy_(
+                    attn_cols(take(hf + "self_attn.o_proj.weight")))
                 own[p + "mlp.gate_up_proj.weight"].copy_(torch.cat(
                     [rows(take(hf + "mlp.gate_proj.weight")), rows(take(hf + "mlp.up_proj.weight"))]))
                 own[p + "mlp.down_proj.weight"].copy_(cols(take(hf + "mlp.down_proj.weight")))

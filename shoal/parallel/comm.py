@@ -67,6 +67,21 @@ class Comm:
             dist.all_reduce(t)
         return t
 
+    def all_gather_(self, t: torch.Tensor) -> torch.Tensor:
+        """Equal-shaped tensors of all ranks, concatenated along dim 0 in rank order."""
+        if self.world_size == 1:
+            return t
+        self.num_data_collectives += 1
+        t = t.contiguous()
+        if dist.get_backend() == "nccl":
+            out = torch.empty((self.world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
+                              device=t.device)
+            dist.all_gather_into_tensor(out, t)
+            return out
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]  # gloo: list form
+        dist.all_gather(parts, t)
+        return torch.cat(parts)
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """The per-step control message: a fixed-size int64 vector from every rank."""
         if self.world_size == 1:

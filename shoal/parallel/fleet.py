@@ -33,6 +33,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Router:
+    """Assigns each ADP request to one owner: the least loaded (fewest unfinished requests);
+    among equally loaded owners, the one that last took a request with the same first
+    block of tokens (its prefix cache likely holds it); else the lowest rank."""
+
+    def __init__(self, num_owners: int, block_size: int):
+        self.load = [0] * num_owners
+        self.block_size = block_size
+        self._affinity: dict[tuple[int, ...], int] = {}  # first block's tokens -> owner
+
+    def assign(self, prompt_token_ids: list[int]) -> int:
+        least = min(self.load)
+        candidates = [r for r, n in enumerate(self.load) if n == least]
+        key = tuple(prompt_token_ids[:self.block_size])
+        preferred = self._affinity.get(key) if len(prompt_token_ids) >= self.block_size else None
+        owner = preferred if preferred in candidates else candidates[0]
+        if len(prompt_token_ids) >= self.block_size:
+            self._affinity[key] = owner
+        self.load[owner] += 1
+        return owner
+
+    def release(self, owner: int) -> None:
+        self.load[owner] -= 1
+
+
 class FleetError(RuntimeError):
     """A rank died or failed: the fleet is unusable (restart required)."""
 
@@ -44,8 +69,10 @@ class Fleet:
         from shoal.parallel.rank import rank_main
 
         self.config = config
-        self.world_size = config.tp_size
-        check_shardable(load_model_config(config.model), config.tp_size)
+        self.mode = "tp" if config.tp_size > 1 else "adp"
+        self.world_size = max(config.tp_size, config.dp_size)
+        check_shardable(load_model_config(config.model), self.world_size,
+                        "tp_size" if self.mode == "tp" else "dp_size")
         self.tokenizer = load_tokenizer_only(config.model)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -54,13 +81,16 @@ class Fleet:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, name=f"shoal-rank-{rank}", daemon=True,
-                               args=(rank, self.world_size, init_method, config, child))
+                               args=(rank, self.world_size, init_method, config, child,
+                                     self.mode))
             proc.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
         self._ids = itertools.count()
         self._pending: dict[str, Request] = {}
+        self._router = Router(self.world_size, config.block_size)
+        self._owner: dict[str, int] = {}  # rid -> owner rank (ADP)
         self._finished_early: list[Request] = []  # arrived while collecting something else
         try:
             infos = self._collect("ready", READY_TIMEOUT_SECONDS)
@@ -83,8 +113,11 @@ class Fleet:
         req = Request(rid, list(prompt_token_ids), sampling, frozenset(), cache_salt=cache_salt,
                       prompt=prompt)
         self._pending[rid] = req
-        self._send(0, ("add", dict(prompt_token_ids=req.prompt_token_ids, sampling=sampling,
-                                   request_id=rid, cache_salt=cache_salt)))
+        # TP: the driver takes every request; ADP: the router picks one owner
+        owner = 0 if self.mode == "tp" else self._router.assign(req.prompt_token_ids)
+        self._owner[rid] = owner
+        self._send(owner, ("add", dict(prompt_token_ids=req.prompt_token_ids, sampling=sampling,
+                                       request_id=rid, cache_salt=cache_salt)))
         return req
 
     def step(self) -> list[Request]:
@@ -96,7 +129,8 @@ class Fleet:
         return finished
 
     def stats(self) -> dict:
-        self._send(0, ("stats", None))
+        for rank in (0,) if self.mode == "tp" else range(self.world_size):
+            self._send(rank, ("stats", None))
         per_rank = self._collect("stats", READY_TIMEOUT_SECONDS)
         total = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
         return {**total, "per_rank": per_rank}
@@ -110,11 +144,12 @@ class Fleet:
         if self._closed:
             return
         self._closed = True
-        try:
-            if self._procs[0].is_alive():
-                self._conns[0].send(("shutdown", None))
-        except OSError:
-            pass
+        for rank in (0,) if self.mode == "tp" else range(self.world_size):
+            try:
+                if self._procs[rank].is_alive():
+                    self._conns[rank].send(("shutdown", None))
+            except OSError:
+                pass
         for proc in self._procs:
             proc.join(SHUTDOWN_TIMEOUT_SECONDS)
         for proc in self._procs:  # whatever did not stop by itself
@@ -128,6 +163,7 @@ class Fleet:
 
     def _finish(self, record: dict) -> Request:
         req = self._pending.pop(record["request_id"])
+        self._router.release(self._owner.pop(req.request_id))
         req.output_token_ids = record["token_ids"]
         req.finish_reason, req.error = record["finish_reason"], record["error"]
         req.metrics = RequestMetrics(record["arrival"], record["first_token"], record["finish"])

@@ -32,7 +32,7 @@ def output_record(req) -> dict:
 
 
 def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
-              conn: Connection) -> None:
+              conn: Connection, mode: str = "tp") -> None:
     """Entry point of a spawned rank process."""
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
@@ -40,14 +40,21 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
     comm = None
     try:
         from shoal.engine import Engine
-        info = ParallelInfo(rank, world_size, tp_size=world_size, dp_size=1, mode="tp")
+        tp, dp = (world_size, 1) if mode == "tp" else (1, world_size)
+        info = ParallelInfo(rank, world_size, tp_size=tp, dp_size=dp, mode=mode)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
         comm = Comm(info, backend, init_method)
         if config.device.startswith("cuda"):
             config = _with_device(config, f"cuda:{rank}")
-        engine = Engine(config, info, comm)
-        conn.send(("ready", rank, engine.info))
-        _serve(rank, engine, comm, conn)
+        if mode == "tp":
+            engine = Engine(config, info, comm)
+            conn.send(("ready", rank, engine.info))
+            _serve(rank, engine, comm, conn)
+        else:
+            fleet = _FleetState(comm)
+            engine = Engine(config, info, comm, fleet_sync=fleet.sync)
+            conn.send(("ready", rank, engine.info))
+            _serve_owner(rank, engine, fleet, conn)
         conn.send(("stopped", rank, None))
     except BaseException as e:  # report anything to the front, then die with an error
         detail = f"{type(e).__name__}: {e}"
@@ -96,6 +103,47 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
             finished = engine.step()
             if rank == 0 and finished:
                 conn.send(("done", rank, [output_record(r) for r in finished]))
+
+
+class _FleetState:
+    """ADP: what the step's one control all-gather told this owner about the fleet."""
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self.want_shutdown = 0  # this owner was asked to stop
+        self.any_work = True  # some owner had work at the last step
+        self.stop = False  # some owner was asked to stop: all stop after this step
+
+    def sync(self, num_tokens: int, has_work: bool) -> list[int]:
+        rows = self.comm.all_gather_ints([num_tokens, int(has_work), self.want_shutdown])
+        self.any_work = any(r[1] for r in rows)
+        self.stop = any(r[2] for r in rows)
+        return [r[0] for r in rows]
+
+
+def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> None:
+    """ADP: this owner's own requests; every owner steps every iteration (the step's
+    all-gather decides whether anyone computes; an owner with nothing joins with padding)."""
+    num_loops = 0
+    while True:
+        num_loops += 1
+        timeout = 0.0 if fleet.any_work else IDLE_WAIT_SECONDS
+        while conn.poll(timeout):
+            kind, payload = conn.recv()
+            timeout = 0.0
+            if kind == "add":
+                engine.add_request(**payload)
+            elif kind == "stats":
+                conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
+                                           "data_collectives": engine.comm.num_data_collectives}))
+            elif kind == "shutdown":
+                fleet.want_shutdown = 1
+        finished = engine.step()
+        if finished:
+            conn.send(("done", rank, [output_record(r) for r in finished]))
+        if fleet.stop:
+            engine.shutdown()
+            return
 
 
 def _with_device(config: EngineConfig, device: str) -> EngineConfig:
