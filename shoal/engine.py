@@ -34,7 +34,7 @@ STAT_KEYS = (
     "load_failures_recomputed", "deadline_expiries", "cancellations",
     "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
     "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved", "load_gbps", "save_gbps",
-    "kv_blocks_used",
+    "kv_blocks_used", "control_seconds", "forward_seconds",
 )
 
 
@@ -151,6 +151,8 @@ class Engine:
         s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
         s["preemptions"] = self.scheduler.num_preemptions
         s["control_collectives"] = self.comm.num_control_collectives
+        s["control_seconds"] = self.comm.control_seconds
+        s["forward_seconds"] = self.executor.forward_seconds
         s["kv_blocks_used"] = sum(b.ref_count > 0 for b in self.kv_manager.pool.blocks)
         if self.connector is not None:
             s.update(self.connector.stats())

@@ -54,6 +54,7 @@ class Executor:
         self._forget_ids: list[str] = []  # runner state to drop once no step can need it
         self.num_iterations = 0
         self.num_forward_passes = 0
+        self.forward_seconds = 0.0  # wall time of forwards (incl. sampling), executing thread
 
     @property
     def has_work(self) -> bool:
@@ -100,7 +101,9 @@ class Executor:
         sampled = []
         if not batch.is_empty or batch.is_padding:
             self.num_forward_passes += 1
+            start = time.perf_counter()
             sampled = self.runner.execute(batch, connector.worker if connector else None)
+            self.forward_seconds += time.perf_counter() - start
         report = None
         if connector is not None:
             report = connector.end_step(batch.saving_ids, batch.loading_ids)

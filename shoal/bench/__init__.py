@@ -15,4 +15,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "pool-io":
         from shoal.bench.pool_io import run_pool_io
         return run_pool_io(args.num_blocks, args.threads, args.rounds)
+    if args.bench == "adp":
+        from shoal.bench.adp import run_adp
+        return run_adp(args.model, args.num_prompts, args.max_tokens, args.device)
     raise ValueError(f"unknown benchmark {args.bench!r}")

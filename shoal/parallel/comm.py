@@ -8,6 +8,7 @@ torchrun). Every collective the engine issues goes through `Comm`, which counts 
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class Comm:
         self.num_control_collectives = 0  # per-step gathers and request broadcasts
         self.num_broadcasts = 0  # of which request broadcasts
         self.num_data_collectives = 0  # all-reduces inside the forward
+        self.control_seconds = 0.0  # wall time spent in control collectives
         self._control = None
         if info.world_size > 1:
             timeout = datetime.timedelta(seconds=timeout_s)
@@ -87,9 +89,11 @@ class Comm:
         if self.world_size == 1:
             return [list(values)]
         self.num_control_collectives += 1
+        start = time.perf_counter()
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self._control)
+        self.control_seconds += time.perf_counter() - start
         return [t.tolist() for t in out]
 
     def broadcast_object(self, obj, src: int = 0):

@@ -39,7 +39,11 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     comm = None
     try:
+        import torch
+
         from shoal.engine import Engine
+        # one machine's cores shared by its ranks, not oversubscribed world_size times
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         tp, dp = (world_size, 1) if mode == "tp" else (1, world_size)
         info = ParallelInfo(rank, world_size, tp_size=tp, dp_size=dp, mode=mode)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
