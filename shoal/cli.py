@@ -77,21 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    t = bsub.add_parser("throughput", help="tokens/s vs transformers generate, and prefix-hit TTFT")
-    t.add_argument("--model", default="smollm2")
-    t.add_argument("--num-prompts", type=int, default=16)
-    t.add_argument("--max-tokens", type=int, default=128)
-    t.add_argument("--device", default="cpu")
-    tt = bsub.add_parser("ttft", help="TTFT of a long prefix from the pool vs recomputed")
-    tt.add_argument("--model", default="smollm2")
-    tt.add_argument("--prefix-tokens", type=int, default=2048)
-    tt.add_argument("--rounds", type=int, default=2)
-    tt.add_argument("--device", default="cpu")
-    ad = bsub.add_parser("adp", help="control vs forward time per step, dp=2 vs dp=1 throughput")
-    ad.add_argument("--model", default="smollm2")
-    ad.add_argument("--num-prompts", type=int, default=16)
-    ad.add_argument("--max-tokens", type=int, default=64)
-    ad.add_argument("--device", default="cpu")
+    def model_bench(name: str, help_text: str, **ints: int) -> None:
+        p = bsub.add_parser(name, help=help_text)
+        p.add_argument("--model", default="smollm2")
+        p.add_argument("--device", default="cpu")
+        for flag, default in ints.items():
+            p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
+
+    model_bench("throughput", "tokens/s vs transformers generate, and prefix-hit TTFT",
+                num_prompts=16, max_tokens=128)
+    model_bench("ttft", "TTFT of a long prefix from the pool vs recomputed",
+                prefix_tokens=2048, rounds=2)
+    model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
+                num_prompts=16, max_tokens=64)
     io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads")
     io.add_argument("--num-blocks", type=int, default=256)
     io.add_argument("--threads", type=int, default=4)
