@@ -161,7 +161,7 @@ def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:
                          "draw the same tokens)")
     kw = _engine_kwargs(args)
     if kw.pop("kv_pool") is not None:
-        raise ValueError("--kv-pool with --tp > 1 is not available in this version")
+        raise ValueError("--kv-pool under torchrun is not available in this version")
     config = EngineConfig(model=args.model, **kw)
     tok = load_tokenizer_only(args.model)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat

@@ -184,3 +184,27 @@ def test_router_is_load_aware_with_prefix_affinity():
     r.release(1)
     r.release(1)
     assert r.assign([5, 5]) == 1  # shorter than a block: no affinity, least loaded
+
+
+@pytest.mark.slow
+def test_torchrun_launch_of_two_adp_owners(smollm2_path, smollm2):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shoal.parallel.fleet import free_port
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    questions = ["What is the capital of France?", "Name three primary colors.", "What is 2+2?"]
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                        "-m", "shoal", "generate", "--model", smollm2_path, "--dp", "2", "--chat",
+                        *[a for q in questions for a in ("--prompt", q)], "--max-tokens", "12",
+                        "--json", "--num-kv-blocks", "64"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    expected = smollm2.chat([[{"role": "user", "content": q}] for q in questions],
+                            SamplingParams(max_tokens=12))
+    assert [x["token_ids"] for x in lines[:-1]] == [o.token_ids for o in expected]
+    assert lines[-1]["summary"]["control_collectives"] == lines[-1]["summary"]["iterations"] + 1

@@ -106,6 +106,15 @@ class Comm:
         dist.broadcast_object_list(box, src=src, group=self._control)
         return box[0]
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's object (end-of-run results under torchrun: trusted, in-job only)."""
+        if self.world_size == 1:
+            return [obj]
+        self.num_control_collectives += 1
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._control)
+        return out
+
     def shutdown(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

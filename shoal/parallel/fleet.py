@@ -19,7 +19,8 @@ from multiprocessing.connection import wait
 from shoal.config import EngineConfig
 from shoal.model.llama import check_shardable
 from shoal.model.loader import load_model_config, load_tokenizer_only
-from shoal.request import Request, RequestMetrics
+from shoal.parallel.rank import apply_record
+from shoal.request import Request
 from shoal.sampling import SamplingParams
 
 READY_TIMEOUT_SECONDS = 600.0  # model loading on every rank
@@ -164,12 +165,7 @@ class Fleet:
     def _finish(self, record: dict) -> Request:
         req = self._pending.pop(record["request_id"])
         self._router.release(self._owner.pop(req.request_id))
-        req.output_token_ids = record["token_ids"]
-        req.finish_reason, req.error = record["finish_reason"], record["error"]
-        req.metrics = RequestMetrics(record["arrival"], record["first_token"], record["finish"])
-        req.num_local_prefix_tokens = record["num_local_prefix_tokens"]
-        req.num_connector_tokens = record["num_connector_tokens"]
-        return req
+        return apply_record(req, record)
 
     def _send(self, rank: int, msg) -> None:
         if self._closed:

@@ -31,6 +31,17 @@ def output_record(req) -> dict:
             "num_connector_tokens": req.num_connector_tokens}
 
 
+def apply_record(req, record: dict):
+    """Fill a front-side Request from a rank's output_record; returns it."""
+    from shoal.request import RequestMetrics
+    req.output_token_ids = record["token_ids"]
+    req.finish_reason, req.error = record["finish_reason"], record["error"]
+    req.metrics = RequestMetrics(record["arrival"], record["first_token"], record["finish"])
+    req.num_local_prefix_tokens = record["num_local_prefix_tokens"]
+    req.num_connector_tokens = record["num_connector_tokens"]
+    return req
+
+
 def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
               conn: Connection, mode: str = "tp") -> None:
     """Entry point of a spawned rank process."""

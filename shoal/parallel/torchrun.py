@@ -1,11 +1,14 @@
 """`shoal generate` under torchrun: every process is a rank, rank 0 prints the results.
 
     torchrun --nproc-per-node 2 -m shoal generate --tp 2 --prompt "..." --max-tokens 32
+    torchrun --nproc-per-node 2 -m shoal generate --dp 2 --prompt "..." --prompt "..."
 
 (across machines: `--nnodes N --node-rank I --master-addr HOST --master-port PORT`).
-Every rank parses the same arguments, so every rank adds the same requests in the same
-order before the first step; then the ranks step in lockstep, one control all-gather
-per step deciding whether anyone still has work.
+Every rank parses the same arguments. TP: every rank adds every request, in the same
+order, before the first step; the ranks then step in lockstep, one control all-gather per
+step deciding whether anyone still has work. ADP: request i belongs to owner
+i % world_size; every owner steps until the step's all-gather says nobody has work;
+rank 0 collects the owners' results at the end.
 """
 
 from __future__ import annotations
@@ -21,25 +24,46 @@ def launched_by_torchrun() -> bool:
 
 
 def run_requests(config: EngineConfig, requests: list[dict]):
-    """Run `requests` (add_request kwargs) on this rank; returns (finished requests in the
-    order given, stats) on rank 0 and (None, stats) elsewhere."""
+    """Run `requests` (add_request kwargs) across the torchrun ranks; returns (finished
+    requests in the order given, stats) on rank 0 and (None, stats) elsewhere."""
     from dataclasses import replace
 
     from shoal.engine import Engine
+    from shoal.parallel.rank import _FleetState, apply_record, output_record
+    from shoal.request import Request
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if config.tp_size != world:
-        raise ValueError(f"tp_size={config.tp_size} but torchrun started {world} processes")
-    info = ParallelInfo(rank, world, tp_size=world, dp_size=1, mode="tp")
+    mode = "tp" if config.tp_size > 1 else "adp"
+    size = config.tp_size if mode == "tp" else config.dp_size
+    if size != world:
+        raise ValueError(f"{'tp_size' if mode == 'tp' else 'dp_size'}={size} but torchrun "
+                         f"started {world} processes")
+    tp, dp = (world, 1) if mode == "tp" else (1, world)
+    info = ParallelInfo(rank, world, tp_size=tp, dp_size=dp, mode=mode)
     cuda = config.device.startswith("cuda")
     if cuda:
         config = replace(config, device=f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
     comm = Comm(info, "nccl" if cuda else "gloo", "env://")
     try:
-        engine = Engine(config, info, comm)
-        reqs = [engine.add_request(**r) for r in requests]
-        while any(flag for (flag,) in comm.all_gather_ints([int(engine.has_work)])):
-            engine.step()
+        if mode == "tp":
+            engine = Engine(config, info, comm)
+            reqs = [engine.add_request(**r) for r in requests]
+            while any(flag for (flag,) in comm.all_gather_ints([int(engine.has_work)])):
+                engine.step()
+        else:
+            fleet = _FleetState(comm)
+            engine = Engine(config, info, comm, fleet_sync=fleet.sync)
+            mine = {i: engine.add_request(**r, request_id=f"req-{i}")
+                    for i, r in enumerate(requests) if i % world == rank}
+            while True:
+                engine.step()
+                if not fleet.any_work:
+                    break
+            parts = comm.all_gather_object({i: output_record(r) for i, r in mine.items()})
+            records = {i: rec for part in parts for i, rec in part.items()}
+            reqs = [apply_record(Request(f"req-{i}", list(r["prompt_token_ids"]), r["sampling"],
+                                         frozenset(), prompt=r.get("prompt")), records[i])
+                    for i, r in enumerate(requests)]
         stats = engine.stats()
         engine.shutdown()
     finally:
