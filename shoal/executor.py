@@ -65,7 +65,7 @@ class Executor:
         batch = self.scheduler.schedule()
         if self.fleet_sync is not None:
             batch.dp_token_counts = self.fleet_sync(batch.num_tokens, self.has_work)
-        # else an idle step: nothing to run
+        # a step runs if it computes, polls transfers or pads for an ADP peer; else it idles
         runs = not batch.is_empty or batch.has_transfers or batch.is_padding
         if self.overlap:
             finished = self._overlap_step(batch if runs else None)
