@@ -257,6 +257,10 @@ class FsPoolWorker(KvConnectorWorker):
 
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
+        if self.max_bytes is not None:
+            # while running, the pool may pass max_bytes by what is written between trims
+            # (a tenth of it) plus saves in flight; at the end it holds at most max_bytes
+            trim_pool(self.root, self.max_bytes)
 
     # -- I/O threads -------------------------------------------------------------------
 
