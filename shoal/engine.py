@@ -96,10 +96,12 @@ class Engine:
                                          config.enable_prefix_caching)
         self.connector = None
         if config.kv_connector is not None:
-            if info.mode != "single":
-                raise ValueError("kv_connector with tp_size or dp_size > 1 is not available in "
-                                 "this version (connectors across ranks come next)")
-            ctx = ConnectorContext(rank=0, world_size=1, owner_rank=0, mode="single",
+            if info.mode == "tp":
+                raise ValueError("kv_connector with tp_size > 1 is not available in this "
+                                 "version (use dp_size, or one rank)")
+            # ADP: every owner has its own scheduler side and worker over one shared pool
+            ctx = ConnectorContext(rank=info.rank, world_size=info.world_size,
+                                   owner_rank=info.rank, mode=info.mode,
                                    block_size=config.block_size, namespace=namespace.hex(),
                                    device=str(self.device))
             self.connector = ConnectorManager(config.kv_connector, ctx, KVCacheRegistration(

@@ -95,14 +95,16 @@ class Executor:
         """One step's work on the executing thread: connector hooks around the forward."""
         for request_id in forget_ids:
             self.runner.forget(request_id)
-        connector = None if batch.is_padding else self.connector  # padding reaches none
-        if connector is not None:
+        connector = self.connector
+        if connector is not None:  # this owner's own plan (empty in a padding step)
             connector.begin_step(batch.connector_meta)
         sampled = []
         if not batch.is_empty or batch.is_padding:
             self.num_forward_passes += 1
             start = time.perf_counter()
-            sampled = self.runner.execute(batch, connector.worker if connector else None)
+            # padding rows never reach a connector: no layer hooks for a padding forward
+            hooks = connector.worker if connector is not None and not batch.is_empty else None
+            sampled = self.runner.execute(batch, hooks)
             self.forward_seconds += time.perf_counter() - start
         report = None
         if connector is not None:

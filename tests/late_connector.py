@@ -153,3 +153,15 @@ class LateWorker(KvConnectorWorker):
     def get_failed_loads(self):
         CALLS.append(("worker", "get_failed_loads"))
         return {}
+
+
+class NoDpScheduler(LateScheduler):
+    """Opts the worker side in only (for the ADP refusal test)."""
+
+    supports_attention_dp = False
+
+
+class NoDpWorker(LateWorker):
+    """Opts the scheduler side in only (for the ADP refusal test)."""
+
+    supports_attention_dp = False

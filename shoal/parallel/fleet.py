@@ -34,6 +34,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_connector_opt_in(connector_config, mode: str) -> None:
+    """Refuse, before any process starts, a connector that cannot run in `mode`."""
+    from shoal.connectors.registry import resolve_connector
+    if mode == "tp":
+        raise ValueError("kv_connector with tp_size > 1 is not available in this version "
+                         "(use dp_size, or one rank)")
+    for cls in resolve_connector(connector_config):
+        if not getattr(cls, "supports_attention_dp", False):
+            raise ValueError(f"connector class {cls.__module__}.{cls.__qualname__} does not "
+                             "declare supports_attention_dp = True (required with dp_size > 1)")
+
+
 class Router:
     """Assigns each ADP request to one owner: the least loaded (fewest unfinished requests);
     among equally loaded owners, the one that last took a request with the same first
@@ -74,6 +86,8 @@ class Fleet:
         self.world_size = max(config.tp_size, config.dp_size)
         check_shardable(load_model_config(config.model), self.world_size,
                         "tp_size" if self.mode == "tp" else "dp_size")
+        if config.kv_connector is not None:
+            check_connector_opt_in(config.kv_connector, self.mode)
         self.tokenizer = load_tokenizer_only(config.model)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"

@@ -1,0 +1,81 @@
+"""Connectors under attention DP: owner-local adapters sharing one persistent pool."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from shoal import LLM, SamplingParams
+from shoal.connectors import ConnectorConfig
+from shoal.connectors import pool_file as pf
+from tests.conftest import random_prompts
+
+SP = SamplingParams(max_tokens=8)
+KW = dict(block_size=4, num_kv_blocks=128)
+
+WORKLOADS = {  # prompts: a shared 40-token prefix + tails (full blocks are pool material)
+    "one_request_idle_owner": [3],
+    "four_equal": [5, 5, 5, 5],
+    "unequal_lengths": [1, 30, 6, 55],
+}
+
+
+def prompts_for(name):
+    shared = random_prompts(512, [40], seed=7)[0]
+    return [shared + t for t in random_prompts(512, WORKLOADS[name], seed=8)]
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_adp_persistent_pool_round_trip(tiny_model, tmp_path, workload, overlap):
+    prompts = prompts_for(workload)
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SP)]
+    runs = []
+    for _ in ("producer", "consumer"):  # two fleets, one pool
+        with LLM(tiny_model, dp_size=2, kv_pool=str(tmp_path), overlap_scheduler=overlap,
+                 **KW) as llm:
+            outs = llm.generate(prompts, SP)
+            runs.append((outs, llm.stats()))
+    (produced, p_stats), (consumed, c_stats) = runs
+    assert [o.token_ids for o in produced] == expected
+    assert [o.token_ids for o in consumed] == expected
+    assert all(o.num_connector_tokens >= 40 for o in consumed)
+    busy = [s for s in c_stats["per_rank"] if s["prompt_tokens"] > 0]
+    assert len(busy) == min(2, len(prompts))
+    assert all(s["connector_tokens_loaded"] > 0 for s in busy)  # every busy owner loaded
+    assert c_stats["blocks_saved"] == 0 and p_stats["blocks_saved"] > 0
+    for s in (*p_stats["per_rank"], *c_stats["per_rank"]):
+        assert s["control_collectives"] == s["iterations"]  # one small all-gather per step
+
+
+def test_save_on_owner_1_completes_with_owner_0_idle(tiny_model, tmp_path):
+    short = random_prompts(512, [2], seed=1)[0]  # -> owner 0, no full block to save
+    long = random_prompts(512, [41], seed=2)[0]  # -> owner 1, ten blocks to save
+    with LLM(tiny_model, dp_size=2, kv_pool=str(tmp_path), **KW) as llm:
+        outs = llm.generate([short, long], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=6)])
+        owner0, owner1 = llm.stats()["per_rank"]
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert owner0["blocks_saved"] == 0 and owner0["prompt_tokens"] == 2
+    assert owner1["blocks_saved"] == 10
+    assert len(list(pf.iter_block_files(tmp_path))) == 10  # published before generate returned
+
+
+@pytest.mark.parametrize("scheduler_class, worker_class, refused", [
+    ("NoDpScheduler", "LateWorker", "NoDpScheduler"),
+    ("LateScheduler", "NoDpWorker", "NoDpWorker"),
+])
+def test_non_opted_connector_refused_before_any_process(tiny_model, scheduler_class,
+                                                        worker_class, refused):
+    cfg = ConnectorConfig(module="tests.late_connector", scheduler_class=scheduler_class,
+                          worker_class=worker_class)
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=f"{refused} does not declare supports_attention_dp"):
+        LLM(tiny_model, dp_size=2, kv_connector=cfg, **KW)
+    assert len(multiprocessing.active_children()) == before  # nothing was started
+
+
+def test_tp_with_connector_is_refused(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="tp_size > 1"):
+        LLM(str(tiny_models["mha_untied"]), tp_size=2, kv_pool=str(tmp_path), **KW)
