@@ -1,10 +1,10 @@
 """`shoal demo`: the main job on the embedded default model.
 
 1. A few chat questions.
-2. A shared-prefix workload (one handbook, several questions about it) run cold in an
-   engine with a KV pool, which computes the handbook once per question and saves its
-   blocks, then in a fresh engine on the same pool (as after a restart), which loads
-   them. Outputs must be identical.
+2. A shared-prefix workload (one handbook, several questions about it) run cold on 2
+   attention-data-parallel ranks with a KV pool, which compute the handbook and save its
+   blocks, then on a fresh fleet on the same pool (as after a restart), whose owners
+   load them. Outputs must be identical. A table per owner follows.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def _doc_chat(question: str) -> list[dict]:
             {"role": "user", "content": question}]
 
 
+DP_SIZE = 2  # attention-data-parallel owners sharing the pool
+
+
 def run_demo(model: str = "smollm2", overlap: bool = True, pool_dir: str | None = None) -> int:
     """Chat answers, then the handbook workload cold (computes and saves to the pool) and in
     a fresh engine on the same pool (loads). Exit status 1 if the outputs differ."""
@@ -73,26 +76,24 @@ def _demo(model: str, overlap: bool, pool_dir: str) -> int:
     out = sys.stdout
     short = SamplingParams(max_tokens=32)
     t0 = time.perf_counter()
-    with LLM(model, kv_pool=pool_dir, overlap_scheduler=overlap) as llm:
-        print(f"Shoal demo: model {model} loaded in {time.perf_counter() - t0:.1f} s "
-              f"({llm.engine.info.num_kv_blocks} KV blocks of {llm.config.block_size} tokens), "
-              f"KV pool {pool_dir}\n", file=out)
+    with LLM(model, kv_pool=pool_dir, overlap_scheduler=overlap, dp_size=DP_SIZE) as llm:
+        print(f"Shoal demo: model {model}, {DP_SIZE} ADP ranks, up in "
+              f"{time.perf_counter() - t0:.1f} s ({llm.engine.info.num_kv_blocks} KV blocks of "
+              f"{llm.config.block_size} tokens per rank), KV pool {pool_dir}\n", file=out)
         chats = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                          SamplingParams(max_tokens=48))
         for q, o in zip(QUESTIONS, chats):
             print(f"Q: {q}\nA: {o.text.strip()}\n", file=out)
         doc_tokens = len(llm.tokenizer.apply_chat_template(_doc_chat("")))
         cold = llm.chat([_doc_chat(q) for q in DOC_QUESTIONS], short)
-        llm.check_integrity()
         cold_stats = llm.stats()
-    # A fresh engine (as after a restart) on the same pool: the handbook's blocks load.
-    with LLM(model, kv_pool=pool_dir, overlap_scheduler=overlap) as llm:
+    # A fresh fleet (as after a restart) on the same pool: the handbook's blocks load.
+    with LLM(model, kv_pool=pool_dir, overlap_scheduler=overlap, dp_size=DP_SIZE) as llm:
         warm = llm.chat([_doc_chat(q) for q in DOC_QUESTIONS], short)
-        llm.check_integrity()
         warm_stats = llm.stats()
 
     print(f"Shared-prefix workload: a {doc_tokens}-token handbook, {len(DOC_QUESTIONS)} "
-          "questions, run cold, then in a fresh engine on the same pool.\n", file=out)
+          "questions, run cold, then in a fresh fleet on the same pool.\n", file=out)
     print(f"{'question':<50} {'TTFT cold':>10} {'TTFT warm':>10} {'loaded':>7}", file=out)
     for q, c, w in zip(DOC_QUESTIONS, cold, warm):
         print(f"{q:<50} {c.metrics.ttft_s:>9.3f}s {w.metrics.ttft_s:>9.3f}s "
@@ -103,7 +104,7 @@ def _demo(model: str, overlap: bool, pool_dir: str) -> int:
     identical = [o.token_ids for o in cold] == [o.token_ids for o in warm]
     print("\nSummary", file=out)
     print(f"  TTFT cold (computed, mean)                 {ttft_cold:8.3f} s", file=out)
-    print(f"  TTFT warm (fresh engine, pool, mean)       {ttft_warm:8.3f} s "
+    print(f"  TTFT warm (fresh fleet, pool, mean)        {ttft_warm:8.3f} s "
           f"({ttft_warm / ttft_cold:.2f} x cold)", file=out)
     print(f"  tokens loaded from the pool                {warm_stats['connector_tokens_loaded']:8d}"
           f"  ({warm_stats['bytes_loaded'] / 2**20:.1f} MiB, "
@@ -111,4 +112,11 @@ def _demo(model: str, overlap: bool, pool_dir: str) -> int:
     print(f"  blocks saved by the cold run               {cold_stats['blocks_saved']:8d}", file=out)
     print(f"  outputs identical cold vs warm             "
           f"{'yes' if identical else 'NO'}", file=out)
+    print(f"\n{'owner':<8}{'prompt tokens':>14}{'saved (cold)':>14}{'loaded (warm)':>15}"
+          f"{'pool hits':>11}{'steps':>8}{'control/step':>14}", file=out)
+    for rank, (c, w) in enumerate(zip(cold_stats["per_rank"], warm_stats["per_rank"])):
+        print(f"{rank:<8}{w['prompt_tokens']:>14}{c['blocks_saved']:>14}"
+              f"{w['connector_tokens_loaded']:>15}{w['pool_hit_blocks']:>11}"
+              f"{w['iterations']:>8}{w['control_collectives'] / max(w['iterations'], 1):>14.2f}",
+              file=out)
     return 0 if identical else 1

@@ -45,7 +45,9 @@ def test_adp_persistent_pool_round_trip(tiny_model, tmp_path, workload, overlap)
     busy = [s for s in c_stats["per_rank"] if s["prompt_tokens"] > 0]
     assert len(busy) == min(2, len(prompts))
     assert all(s["connector_tokens_loaded"] > 0 for s in busy)  # every busy owner loaded
-    assert c_stats["blocks_saved"] == 0 and p_stats["blocks_saved"] > 0
+    assert c_stats["blocks_saved"] == 0
+    # owners racing to save the same key publish it once (link never overwrites)
+    assert p_stats["blocks_saved"] == len(list(pf.iter_block_files(tmp_path))) > 0
     for s in (*p_stats["per_rank"], *c_stats["per_rank"]):
         assert s["control_collectives"] == s["iterations"]  # one small all-gather per step
 

@@ -10,7 +10,9 @@ def run_bench(args: argparse.Namespace) -> int:
         from shoal.bench.throughput import run_throughput
         return run_throughput(args.model, args.num_prompts, args.max_tokens, args.device)
     if args.bench == "ttft":
-        from shoal.bench.ttft import run_ttft
+        from shoal.bench.ttft import run_ttft, run_ttft_dp
+        if args.dp > 1:
+            return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device)
         return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device)
     if args.bench == "pool-io":
         from shoal.bench.pool_io import run_pool_io

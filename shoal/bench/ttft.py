@@ -48,3 +48,31 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str) -> int:
     print(f"  ratio pool / recomputed  {result['ratio_pool_over_recomputed']:8.3f}  (goal <= 0.05)")
     print(json.dumps(result))
     return 0
+
+
+def run_ttft_dp(model: str, prefix_tokens: int, dp: int, device: str) -> int:
+    """Two owners sharing the pool: owner 0 of a first fleet computes and saves the prefix;
+    a fresh fleet then serves the prompt and a sibling (same prefix, other question) at
+    once, one per owner. The second owner's TTFT shows what owner 0's saves save it."""
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-ttft-dp-") as pool:
+        with LLM(model, kv_pool=pool, device=device, dp_size=dp) as llm:
+            prompt = _prompt(llm, prefix_tokens)
+            sibling = prompt[:-16] + llm.tokenizer.encode(" Question: who keeps the gate?")[:16]
+            cold = llm.generate([prompt], ONE)[0]  # the router gives it to owner 0
+            saved = [s["blocks_saved"] for s in llm.stats()["per_rank"]]
+        with LLM(model, kv_pool=pool, device=device, dp_size=dp) as llm:
+            warm = llm.generate([prompt, sibling], ONE)  # one per owner
+            loaded = [s["connector_tokens_loaded"] for s in llm.stats()["per_rank"]]
+    result = {"bench": "ttft", "dp": dp, "model": model, "prompt_tokens": len(prompt),
+              "blocks_saved_per_owner_cold": saved, "tokens_loaded_per_owner_warm": loaded,
+              "ttft_cold_s": cold.metrics.ttft_s,
+              "ttft_warm_owner0_s": warm[0].metrics.ttft_s,
+              "ttft_warm_owner1_s": warm[1].metrics.ttft_s,
+              "ratio_owner1_over_cold": warm[1].metrics.ttft_s / cold.metrics.ttft_s}
+    print(f"{len(prompt)}-token prompt, {dp} ADP owners sharing one pool")
+    print(f"  cold (owner 0 computes, saves {saved} blocks per owner)   {cold.metrics.ttft_s:8.3f} s")
+    print(f"  warm fleet, owner 0 (loads its own saves)        {warm[0].metrics.ttft_s:8.3f} s")
+    print(f"  warm fleet, owner 1 (loads owner 0's saves)      {warm[1].metrics.ttft_s:8.3f} s  "
+          f"ratio {result['ratio_owner1_over_cold']:.3f}; tokens loaded per owner {loaded}")
+    print(json.dumps(result))
+    return 0

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 from shoal.config import EngineConfig
 from shoal.parallel.comm import Comm, ParallelInfo
+from shoal.request import RequestStatus
 
 IDLE_WAIT_SECONDS = 0.02  # how long an idle driver waits for new requests per iteration
 CONTROL_FIELDS = 3  # [num_new_requests, shutdown, stats_requested]
@@ -87,6 +88,7 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
 
 def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
     num_loops = 0
+    outbox = _Outbox()
     while True:
         num_loops += 1
         new, shutdown, want_stats = [], 0, 0
@@ -115,9 +117,23 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
             engine.shutdown()
             return
         if engine.has_work:
-            finished = engine.step()
+            finished = outbox.ready(engine.step())
             if rank == 0 and finished:
                 conn.send(("done", rank, [output_record(r) for r in finished]))
+
+
+class _Outbox:
+    """Finished requests go back to the front once nothing of theirs is pending: a request
+    whose save is still in flight (SAVING) is held until the save is reported, as a
+    single-rank generate() returns only after its saves."""
+
+    def __init__(self) -> None:
+        self._saving: list = []
+
+    def ready(self, finished: list) -> list:
+        pending = self._saving + finished
+        self._saving = [r for r in pending if r.status == RequestStatus.SAVING]
+        return [r for r in pending if r.status != RequestStatus.SAVING]
 
 
 class _FleetState:
@@ -140,6 +156,7 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
     """ADP: this owner's own requests; every owner steps every iteration (the step's
     all-gather decides whether anyone computes; an owner with nothing joins with padding)."""
     num_loops = 0
+    outbox = _Outbox()
     while True:
         num_loops += 1
         timeout = 0.0 if fleet.any_work else IDLE_WAIT_SECONDS
@@ -153,7 +170,7 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
                                            "data_collectives": engine.comm.num_data_collectives}))
             elif kind == "shutdown":
                 fleet.want_shutdown = 1
-        finished = engine.step()
+        finished = outbox.ready(engine.step())
         if finished:
             conn.send(("done", rank, [output_record(r) for r in finished]))
         if fleet.stop:
