@@ -43,8 +43,8 @@ class Executor:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool,
                  connector: ConnectorManager | None = None, fleet_sync=None):
         self.scheduler = scheduler
-        # ADP: fleet_sync(num_tokens, has_work) -> every owner's num_tokens (the step's one
-        # control all-gather); every owner joins a forward if any owner has tokens
+        # ADP: fleet_sync(num_tokens, has_work, num_pending_transfers) -> every owner's
+        # num_tokens (the step's one control all-gather); all join a forward if any has tokens
         self.fleet_sync = fleet_sync
         self.runner = runner
         self.overlap = overlap
@@ -64,7 +64,8 @@ class Executor:
         self.num_iterations += 1
         batch = self.scheduler.schedule()
         if self.fleet_sync is not None:
-            batch.dp_token_counts = self.fleet_sync(batch.num_tokens, self.has_work)
+            batch.dp_token_counts = self.fleet_sync(
+                batch.num_tokens, self.has_work, len(batch.saving_ids) + len(batch.loading_ids))
         # a step runs if it computes, polls transfers or pads for an ADP peer; else it idles
         runs = not batch.is_empty or batch.has_transfers or batch.is_padding
         if self.overlap:

@@ -81,3 +81,37 @@ def test_non_opted_connector_refused_before_any_process(tiny_model, scheduler_cl
 def test_tp_with_connector_is_refused(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="tp_size > 1"):
         LLM(str(tiny_models["mha_untied"]), tp_size=2, kv_pool=str(tmp_path), **KW)
+
+
+def test_loading_owner_never_stalls_the_busy_owner(tiny_model, tmp_path, monkeypatch):
+    import os
+    import time
+
+    pool = tmp_path / "pool"
+    shared = random_prompts(512, [40], seed=7)[0]
+    a, b = shared + [5, 6, 7], random_prompts(512, [9], seed=3)[0]
+    long = SamplingParams(max_tokens=24)
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate([a, b], [SP, long])]
+    with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:  # puts a's prefix (only) in the pool
+        llm.generate([a], SP)
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    monkeypatch.setenv("SHOAL_TEST_LOAD_GATE", str(gate))
+    cfg = ConnectorConfig(module="tests.gated_fs_connector", scheduler_class="FsPoolScheduler",
+                          worker_class="GatedFsWorker", options={"root": str(pool)})
+    with LLM(tiny_model, dp_size=2, kv_connector=cfg, **KW) as llm:
+        fleet = llm.engine
+        req_a = fleet.add_request(a, SP)  # owner 0: a pool hit, its load waits at the gate
+        req_b = fleet.add_request(b, long)  # owner 1: computes meanwhile
+        done, start = [], time.monotonic()
+        while req_b not in done and time.monotonic() - start < 120:
+            done += fleet.step()
+        assert req_b in done and req_a not in done  # b ran all 24 tokens while a was loading
+        with open(gate, "wb"):  # open the gate: a's load proceeds
+            while req_a not in done and time.monotonic() - start < 120:
+                done += fleet.step()
+        per_rank = llm.stats()["per_rank"]
+    assert [req_a.output_token_ids, req_b.output_token_ids] == expected
+    assert req_a.num_connector_tokens == 40
+    assert per_rank[0]["connector_tokens_loaded"] == 40 and per_rank[1]["prompt_tokens"] == 9

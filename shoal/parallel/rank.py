@@ -144,11 +144,15 @@ class _FleetState:
         self.want_shutdown = 0  # this owner was asked to stop
         self.any_work = True  # some owner had work at the last step
         self.stop = False  # some owner was asked to stop: all stop after this step
+        self.pending_transfers: list[int] = []  # per owner, at the last step
 
-    def sync(self, num_tokens: int, has_work: bool) -> list[int]:
-        rows = self.comm.all_gather_ints([num_tokens, int(has_work), self.want_shutdown])
-        self.any_work = any(r[1] for r in rows)
+    def sync(self, num_tokens: int, has_work: bool, num_pending: int) -> list[int]:
+        """[num_tokens, has_work, shutdown, pending transfers] of every owner, in one gather."""
+        rows = self.comm.all_gather_ints([num_tokens, int(has_work), self.want_shutdown,
+                                          num_pending])
+        self.any_work = any(r[1] for r in rows)  # pending transfers count as work
         self.stop = any(r[2] for r in rows)
+        self.pending_transfers = [r[3] for r in rows]
         return [r[0] for r in rows]
 
 
