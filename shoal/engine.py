@@ -52,7 +52,6 @@ class Engine:
     def __init__(self, config: EngineConfig, info: ParallelInfo = SINGLE, comm: Comm | None = None,
                  fleet_sync=None):
         self.config = config
-        self.info_parallel = info
         self.comm = comm or Comm(info)
         self.device = torch.device(config.device)
         source = load_model_source(config.model)

@@ -25,15 +25,6 @@ class ParallelInfo:
     dp_size: int  # attention data-parallel owners
     mode: str  # "single" | "tp" | "adp"
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size if self.mode == "tp" else 0
-
-    @property
-    def is_driver(self) -> bool:
-        """Rank 0 drives scheduling input and reports outputs in TP mode."""
-        return self.rank == 0
-
 
 SINGLE = ParallelInfo(rank=0, world_size=1, tp_size=1, dp_size=1, mode="single")
 
