@@ -37,6 +37,7 @@ def test_adp_persistent_pool_round_trip(tiny_model, tmp_path, workload, overlap)
         with LLM(tiny_model, dp_size=2, kv_pool=str(tmp_path), overlap_scheduler=overlap,
                  **KW) as llm:
             outs = llm.generate(prompts, SP)
+            llm.check_integrity()
             runs.append((outs, llm.stats()))
     (produced, p_stats), (consumed, c_stats) = runs
     assert [o.token_ids for o in produced] == expected

@@ -33,6 +33,7 @@ def test_tp2_equals_one_rank(tiny_models, prompts, name, overlap):
     with LLM(model, tp_size=2, block_size=4, num_kv_blocks=128, overlap_scheduler=overlap,
              max_num_tokens=24) as llm:
         outs = llm.generate(prompts, SP)
+        llm.check_integrity()
         stats = llm.stats()
         procs = list(llm.engine._procs)
     assert [o.token_ids for o in outs] == expected
@@ -143,6 +144,7 @@ def test_adp2_equals_one_rank(tiny_models, workload, overlap):
     with LLM(model, dp_size=2, block_size=4, num_kv_blocks=128, overlap_scheduler=overlap,
              max_num_tokens=32) as llm:
         outs = llm.generate(prompts, sampling)
+        llm.check_integrity()
         stats = llm.stats()
     assert [o.token_ids for o in outs] == expected
     for s in stats["per_rank"]:

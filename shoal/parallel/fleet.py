@@ -151,9 +151,12 @@ class Fleet:
         return {**total, "per_rank": per_rank}
 
     def check_integrity(self) -> None:
-        """Block accounting is checked inside each rank after every step in tests of the
-        engine; over the fleet we check that nothing is left pending."""
-        assert not self._pending or all(r.is_finished for r in self._pending.values())
+        """Every rank checks its block accounting (Scheduler.check_integrity); AssertionError
+        with the first rank's message if one fails."""
+        for rank in (0,) if self.mode == "tp" else range(self.world_size):
+            self._send(rank, ("check", None))
+        errors = [e for e in self._collect("checked", READY_TIMEOUT_SECONDS) if e]
+        assert not errors, errors[0]
 
     def shutdown(self) -> None:
         if self._closed:

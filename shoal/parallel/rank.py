@@ -19,7 +19,7 @@ from shoal.parallel.comm import Comm, ParallelInfo
 from shoal.request import RequestStatus
 
 IDLE_WAIT_SECONDS = 0.02  # how long an idle driver waits for new requests per iteration
-CONTROL_FIELDS = 3  # [num_new_requests, shutdown, stats_requested]
+CONTROL_FIELDS = 4  # [num_new_requests, shutdown, stats_requested, check_requested]
 
 
 def output_record(req) -> dict:
@@ -91,7 +91,7 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
     outbox = _Outbox()
     while True:
         num_loops += 1
-        new, shutdown, want_stats = [], 0, 0
+        new, shutdown, want_stats, want_check = [], 0, 0, 0
         if rank == 0:
             timeout = 0.0 if engine.has_work else IDLE_WAIT_SECONDS
             while conn.poll(timeout):
@@ -101,10 +101,12 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
                     new.append(payload)
                 elif kind == "stats":
                     want_stats = 1
+                elif kind == "check":
+                    want_check = 1
                 elif kind == "shutdown":
                     shutdown = 1
                     break
-        control = comm.all_gather_ints([len(new), shutdown, want_stats])[0]  # the driver's
+        control = comm.all_gather_ints([len(new), shutdown, want_stats, want_check])[0]
         if control[0]:
             new = comm.broadcast_object(new if rank == 0 else None, src=0)
         for spec in new:
@@ -113,6 +115,8 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
             conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
                                        "control_broadcasts": comm.num_broadcasts,
                                        "data_collectives": comm.num_data_collectives}))
+        if control[3]:
+            conn.send(("checked", rank, _integrity_error(engine)))
         if control[1]:
             engine.shutdown()
             return
@@ -120,6 +124,15 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
             finished = outbox.ready(engine.step())
             if rank == 0 and finished:
                 conn.send(("done", rank, [output_record(r) for r in finished]))
+
+
+def _integrity_error(engine) -> str | None:
+    """engine.check_integrity() as a message for the front (None when it holds)."""
+    try:
+        engine.check_integrity()
+    except AssertionError as e:
+        return f"rank integrity check failed: {e}"
+    return None
 
 
 class _Outbox:
@@ -172,6 +185,8 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
             elif kind == "stats":
                 conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
                                            "data_collectives": engine.comm.num_data_collectives}))
+            elif kind == "check":
+                conn.send(("checked", rank, _integrity_error(engine)))
             elif kind == "shutdown":
                 fleet.want_shutdown = 1
         finished = outbox.ready(engine.step())
