@@ -76,7 +76,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.saving
-                    or (self.connector is not None and self.connector.pending_saves()))
+                    or (self.connector is not None and self.connector.has_pending_saves))
 
     def add(self, req: Request) -> str | None:
         """Queue a request; returns an error message (and queues nothing) if it can never run."""
@@ -200,16 +200,16 @@ class Scheduler:
         blocks. Returns requests that ended here (a load failing under policy "fail")."""
         ended = []
         for rid in sorted(report.finished_loading):
-            req = self.loading.pop(rid, None)
+            req = self.loading.get(rid)
             if req is None:
                 continue  # reported by an earlier poll already (the overlap loop polls twice)
             num_ok, error = self.connector.load_result(req, report)
-            req.status = RequestStatus.RUNNING
             if error is not None:
-                self.running.append(req)
-                self.finish(req, "error", error, defer_free)
+                self.finish(req, "error", error, defer_free)  # leaves self.loading there
                 ended.append(req)
                 continue
+            del self.loading[rid]
+            req.status = RequestStatus.RUNNING
             req.num_connector_tokens = num_ok - req.num_computed_tokens
             req.num_computed_tokens = num_ok
             self.kv.cache_computed_blocks(req, num_ok)

@@ -98,6 +98,7 @@ class FsPoolScheduler(KvConnectorScheduler):
         super().__init__(config, ctx)
         opts = open_pool(config)
         self.root, self.is_async = opts.root, opts.is_async
+        self._root_str = str(self.root)
         self._matched: dict[str, tuple[int, int]] = {}  # rid -> (first block, num blocks)
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
@@ -111,7 +112,7 @@ class FsPoolScheduler(KvConnectorScheduler):
         last = (len(request.prompt_token_ids) - 1) // bs  # never the last prompt token's block
         hits = 0
         for i in range(first, min(last, len(request.block_keys))):
-            if not pf.block_path(self.root, request.block_keys[i]).is_file():
+            if not os.path.isfile(pf.block_path_str(self._root_str, request.block_keys[i])):
                 break
             hits += 1
         self._stats["pool_lookups"] += 1
@@ -145,7 +146,7 @@ class FsPoolScheduler(KvConnectorScheduler):
                        len(rd.block_keys), len(st.block_ids))
             for i in range(st.num_checked, full):
                 key = rd.block_keys[i]
-                if key in self._saving_keys or pf.block_path(self.root, key).is_file():
+                if key in self._saving_keys or os.path.isfile(pf.block_path_str(self._root_str, key)):
                     continue
                 self._saving_keys.add(key)
                 st.saved_keys.append(key)

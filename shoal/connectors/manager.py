@@ -134,6 +134,10 @@ class ConnectorManager:
         # the overlap loop applies a step's poll after the next step was scheduled.
         self._save_epochs[request_id] = self._save_epochs.get(request_id, 0) + 1
 
+    @property
+    def has_pending_saves(self) -> bool:
+        return bool(self._save_epochs)
+
     def pending_saves(self) -> dict[str, int]:
         """Request id -> save episode, for every request whose saves must be reported."""
         return dict(self._save_epochs)

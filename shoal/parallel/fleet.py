@@ -118,6 +118,11 @@ class Fleet:
     def has_work(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def _control_ranks(self) -> range:
+        """Who takes stats/check/shutdown: the driver relays them in TP, each owner in ADP."""
+        return range(1) if self.mode == "tp" else range(self.world_size)
+
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,
                     cache_salt: str | None = None) -> Request:
@@ -144,7 +149,7 @@ class Fleet:
         return finished
 
     def stats(self) -> dict:
-        for rank in (0,) if self.mode == "tp" else range(self.world_size):
+        for rank in self._control_ranks:
             self._send(rank, ("stats", None))
         per_rank = self._collect("stats", READY_TIMEOUT_SECONDS)
         total = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
@@ -153,7 +158,7 @@ class Fleet:
     def check_integrity(self) -> None:
         """Every rank checks its block accounting (Scheduler.check_integrity); AssertionError
         with the first rank's message if one fails."""
-        for rank in (0,) if self.mode == "tp" else range(self.world_size):
+        for rank in self._control_ranks:
             self._send(rank, ("check", None))
         errors = [e for e in self._collect("checked", READY_TIMEOUT_SECONDS) if e]
         assert not errors, errors[0]
@@ -162,7 +167,7 @@ class Fleet:
         if self._closed:
             return
         self._closed = True
-        for rank in (0,) if self.mode == "tp" else range(self.world_size):
+        for rank in self._control_ranks:
             try:
                 if self._procs[rank].is_alive():
                     self._conns[rank].send(("shutdown", None))

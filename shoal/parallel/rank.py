@@ -56,12 +56,7 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
         from shoal.engine import Engine
         # one machine's cores shared by its ranks, not oversubscribed world_size times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        tp, dp = (world_size, 1) if mode == "tp" else (1, world_size)
-        info = ParallelInfo(rank, world_size, tp_size=tp, dp_size=dp, mode=mode)
-        backend = "nccl" if config.device.startswith("cuda") else "gloo"
-        comm = Comm(info, backend, init_method)
-        if config.device.startswith("cuda"):
-            config = _with_device(config, f"cuda:{rank}")
+        info, comm, config = join_group(rank, world_size, mode, config, init_method, rank)
         if mode == "tp":
             engine = Engine(config, info, comm)
             conn.send(("ready", rank, engine.info))
@@ -197,6 +192,16 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
             return
 
 
-def _with_device(config: EngineConfig, device: str) -> EngineConfig:
+def join_group(rank: int, world_size: int, mode: str, config: EngineConfig, init_method: str,
+               local_rank: int) -> tuple[ParallelInfo, Comm, EngineConfig]:
+    """This process's place in the fleet, its process group, and its config (on CUDA, one
+    GPU per rank: cuda:<local_rank>). Shared by spawned fleets and torchrun."""
     from dataclasses import replace
-    return replace(config, device=device)
+
+    tp, dp = (world_size, 1) if mode == "tp" else (1, world_size)
+    info = ParallelInfo(rank, world_size, tp_size=tp, dp_size=dp, mode=mode)
+    cuda = config.device.startswith("cuda")
+    comm = Comm(info, "nccl" if cuda else "gloo", init_method)
+    if cuda:
+        config = replace(config, device=f"cuda:{local_rank}")
+    return info, comm, config

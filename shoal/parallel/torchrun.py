@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 from shoal.config import EngineConfig
-from shoal.parallel.comm import Comm, ParallelInfo
 
 
 def launched_by_torchrun() -> bool:
@@ -26,10 +25,8 @@ def launched_by_torchrun() -> bool:
 def run_requests(config: EngineConfig, requests: list[dict]):
     """Run `requests` (add_request kwargs) across the torchrun ranks; returns (finished
     requests in the order given, stats) on rank 0 and (None, stats) elsewhere."""
-    from dataclasses import replace
-
     from shoal.engine import Engine
-    from shoal.parallel.rank import _FleetState, apply_record, output_record
+    from shoal.parallel.rank import _FleetState, apply_record, join_group, output_record
     from shoal.request import Request
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -38,12 +35,8 @@ def run_requests(config: EngineConfig, requests: list[dict]):
     if size != world:
         raise ValueError(f"{'tp_size' if mode == 'tp' else 'dp_size'}={size} but torchrun "
                          f"started {world} processes")
-    tp, dp = (world, 1) if mode == "tp" else (1, world)
-    info = ParallelInfo(rank, world, tp_size=tp, dp_size=dp, mode=mode)
-    cuda = config.device.startswith("cuda")
-    if cuda:
-        config = replace(config, device=f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
-    comm = Comm(info, "nccl" if cuda else "gloo", "env://")
+    info, comm, config = join_group(rank, world, mode, config, "env://",
+                                    int(os.environ.get("LOCAL_RANK", rank)))
     try:
         if mode == "tp":
             engine = Engine(config, info, comm)
