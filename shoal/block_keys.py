@@ -1,13 +1,15 @@
 """Content identity of KV blocks: chained hashes seeded by a namespace.
 
-    namespace = H(model identity, kv dtype, block size, KV layout version, TP shard)
+    namespace = H(model identity, kv dtype, block size, KV layout version, TP size)
     seed      = H(namespace || cache_salt)
     key_0     = H(seed    || tokens of block 0)
     key_i     = H(key_i-1 || tokens of block i)
 
-A key names a block's KV exactly: same key, same bytes. Keys never include the ADP rank,
-so one owner's block is a hit for every other owner. hashlib only (Python's `hash()` is
-salted per process).
+A key names a block's KV exactly: same key, same bytes. Under TP every rank computes the
+same keys (the scheduler side on rank 0 speaks for all); each rank holds one shard of a
+block's KV, stored under `shard_key(key, rank, size)` with `shard_namespace(...)`, so pool
+keys include the shard. Keys never include the ADP rank, so one owner's block is a hit for
+every other owner. hashlib only (Python's `hash()` is salted per process).
 """
 
 from __future__ import annotations
@@ -28,10 +30,24 @@ def _h(*parts: bytes) -> bytes:
 
 
 def make_namespace(model_identity: str, kv_dtype: torch.dtype, block_size: int,
-                   layout_version: int, tp_size: int = 1, tp_rank: int = 0) -> bytes:
+                   layout_version: int, tp_size: int = 1) -> bytes:
     text = (f"shoal-kv|model={model_identity}|dtype={str(kv_dtype)}|block_size={block_size}"
-            f"|layout={layout_version}|tp={tp_size}:{tp_rank}")
+            f"|layout={layout_version}|tp={tp_size}")
     return _h(text.encode())
+
+
+def _shard_tag(tp_rank: int, tp_size: int) -> bytes:
+    return f"|shard={tp_rank}/{tp_size}".encode()
+
+
+def shard_namespace(namespace: bytes, tp_rank: int, tp_size: int) -> bytes:
+    """The namespace of one TP shard's KV (the namespace itself when there is one shard)."""
+    return namespace if tp_size == 1 else _h(namespace, _shard_tag(tp_rank, tp_size))
+
+
+def shard_key(key: bytes, tp_rank: int, tp_size: int) -> bytes:
+    """The pool key of shard `tp_rank` of a block (the block key itself with one shard)."""
+    return key if tp_size == 1 else _h(key, _shard_tag(tp_rank, tp_size))
 
 
 def request_seed(namespace: bytes, cache_salt: str | None) -> bytes:

@@ -152,7 +152,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:
     from shoal.config import EngineConfig
-    from shoal.llm import to_output
+    from shoal.llm import pool_connector, to_output
     from shoal.model.loader import load_tokenizer_only
     from shoal.parallel.torchrun import run_requests
 
@@ -160,9 +160,9 @@ def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:
         raise ValueError("--seed is required for sampling under torchrun (every rank must "
                          "draw the same tokens)")
     kw = _engine_kwargs(args)
-    if kw.pop("kv_pool") is not None:
-        raise ValueError("--kv-pool under torchrun is not available in this version")
-    config = EngineConfig(model=args.model, **kw)
+    pool = kw.pop("kv_pool")
+    config = EngineConfig(model=args.model, **kw,
+                          kv_connector=None if pool is None else pool_connector(pool))
     tok = load_tokenizer_only(args.model)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat
            else tok.encode(p) for p in prompts]

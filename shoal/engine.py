@@ -84,10 +84,10 @@ class Engine:
         self.kv_cache = KVCache(layout, self.device)
         identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
                                    digest_size=16).hexdigest()
-        # keys name the shard of the KV (TP), never the ADP owner: owners share the pool
-        tp_size, tp_rank = (shard.size, shard.rank) if shard.shards_attention else (1, 0)
+        # TP ranks share block keys (each stores its shard under a shard key); the ADP owner
+        # is never part of a key: owners share the pool
         namespace = make_namespace(identity, dtype, config.block_size, layout.layout_version,
-                                   tp_size=tp_size, tp_rank=tp_rank)
+                                   tp_size=shard.size if shard.shards_attention else 1)
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                             cfg.max_position_embeddings)
         self.info = EngineInfo(num_blocks, layout.block_nbytes, max_model_len, namespace.hex())
@@ -95,16 +95,7 @@ class Engine:
                                          config.enable_prefix_caching)
         self.connector = None
         if config.kv_connector is not None:
-            if info.mode == "tp":
-                raise ValueError("kv_connector with tp_size > 1 is not available in this "
-                                 "version (use dp_size, or one rank)")
-            # ADP: every owner has its own scheduler side and worker over one shared pool
-            ctx = ConnectorContext(rank=info.rank, world_size=info.world_size,
-                                   owner_rank=info.rank, mode=info.mode,
-                                   block_size=config.block_size, namespace=namespace.hex(),
-                                   device=str(self.device))
-            self.connector = ConnectorManager(config.kv_connector, ctx, KVCacheRegistration(
-                self.kv_cache.tensor, layout), self.kv_manager.pool)
+            self.connector = self._make_connector(config, info, namespace, layout)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
                                    max_model_len, self.connector)
         self.executor = Executor(self.scheduler, ModelRunner(self.model, self.kv_cache, self.device),
@@ -117,6 +108,21 @@ class Engine:
         log.info("engine ready: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
                  num_blocks, config.block_size, num_blocks * layout.block_nbytes / 2**20,
                  max_model_len)
+
+    def _make_connector(self, config: EngineConfig, info: ParallelInfo, namespace: bytes,
+                        layout: KVCacheLayout) -> ConnectorManager:
+        """ADP: every owner its own scheduler side and worker over one shared pool. TP: the
+        scheduler side on rank 0, a worker per rank (shoal.parallel.tp_connector)."""
+        ctx = ConnectorContext(rank=info.rank, world_size=info.world_size,
+                               owner_rank=info.rank if info.mode == "adp" else 0, mode=info.mode,
+                               block_size=config.block_size, namespace=namespace.hex(),
+                               device=str(self.device))
+        registration = KVCacheRegistration(self.kv_cache.tensor, layout)
+        if info.mode == "tp":
+            from shoal.parallel.tp_connector import TpConnectorManager
+            return TpConnectorManager(config.kv_connector, ctx, registration,
+                                      self.kv_manager.pool, self.comm)
+        return ConnectorManager(config.kv_connector, ctx, registration, self.kv_manager.pool)
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,

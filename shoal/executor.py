@@ -109,7 +109,7 @@ class Executor:
             self.forward_seconds += time.perf_counter() - start
         report = None
         if connector is not None:
-            report = connector.end_step(batch.saving_ids, batch.loading_ids)
+            report = connector.end_step(batch.save_epochs, batch.loading_ids)
         return StepOutput(sampled, report)
 
     def _update(self, batch: ScheduledBatch, out: StepOutput, defer_free: bool) -> list[Request]:

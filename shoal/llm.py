@@ -15,6 +15,13 @@ from shoal.sampling import SamplingParams
 Prompt = str | Sequence[int]  # text, or token ids used as they are
 
 
+def pool_connector(kv_pool) -> ConnectorConfig:
+    """What `kv_pool=DIR` stands for: the built-in fs connector on that directory."""
+    if not isinstance(kv_pool, (str, os.PathLike)) or not str(kv_pool):
+        raise ValueError(f"kv_pool must be a directory path, got {kv_pool!r}")
+    return ConnectorConfig(name="fs", options={"root": str(kv_pool)})
+
+
 class LLM:
     """An inference engine. Keyword arguments are those of `EngineConfig`; `kv_pool=DIR` is
     shorthand for `kv_connector=ConnectorConfig(name="fs", options={"root": DIR})`."""
@@ -29,9 +36,7 @@ class LLM:
         if kv_pool is not None and kv_connector is not None:
             raise ValueError("give kv_pool or kv_connector, not both")
         if kv_pool is not None:
-            if not isinstance(kv_pool, (str, os.PathLike)) or not str(kv_pool):
-                raise ValueError(f"kv_pool must be a directory path, got {kv_pool!r}")
-            kv_connector = ConnectorConfig(name="fs", options={"root": str(kv_pool)})
+            kv_connector = pool_connector(kv_pool)
         self.config = EngineConfig(
             model=model, block_size=block_size, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb,

@@ -92,7 +92,8 @@ class LateWorker(KvConnectorWorker):
 
     def __init__(self, config, ctx):
         super().__init__(config, ctx)
-        self.delay = int(config.options.get("delay_polls", 3))
+        delay = config.options.get("delay_polls", 3)  # or one per rank: [rank 0, rank 1, ...]
+        self.delay = int(delay[ctx.rank] if isinstance(delay, list) else delay)
         self._loads: dict[str, list[list]] = {}  # rid -> [[polls_left, block_id, key], ...]
         self._saves: dict[str, list[list]] = {}
 

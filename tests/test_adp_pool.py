@@ -79,10 +79,6 @@ def test_non_opted_connector_refused_before_any_process(tiny_model, scheduler_cl
     assert len(multiprocessing.active_children()) == before  # nothing was started
 
 
-def test_tp_with_connector_is_refused(tiny_models, tmp_path):
-    with pytest.raises(ValueError, match="tp_size > 1"):
-        LLM(str(tiny_models["mha_untied"]), tp_size=2, kv_pool=str(tmp_path), **KW)
-
 
 def test_loading_owner_never_stalls_the_busy_owner(tiny_model, tmp_path, monkeypatch):
     import os

@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from shoal.block_keys import extend_block_keys, make_namespace, request_seed
+from shoal.block_keys import (extend_block_keys, make_namespace, request_seed, shard_key,
+                              shard_namespace)
 
 NS = make_namespace("model-x", torch.float32, 4, 1)
 
@@ -43,8 +44,17 @@ def test_namespace_and_salt_separate_keys():
     for other in (make_namespace("model-y", torch.float32, 4, 1),
                   make_namespace("model-x", torch.float16, 4, 1),
                   make_namespace("model-x", torch.float32, 4, 2),
-                  make_namespace("model-x", torch.float32, 4, 1, tp_size=2, tp_rank=1)):
+                  make_namespace("model-x", torch.float32, 4, 1, tp_size=2)):
         assert keys(tokens, ns=other) != base
+
+
+def test_shard_keys_differ_per_shard_and_equal_the_key_with_one_shard():
+    ns = make_namespace("model-x", torch.float32, 4, 1, tp_size=2)
+    key = keys(list(range(8)), ns=ns)[0]
+    assert shard_key(key, 0, 1) == key and shard_namespace(ns, 0, 1) == ns
+    shards = {shard_key(key, r, 2) for r in range(2)} | {shard_key(key, r, 3) for r in range(3)}
+    assert len(shards) == 5 and key not in shards
+    assert shard_namespace(ns, 0, 2) != shard_namespace(ns, 1, 2) != ns
 
 
 def test_keys_are_identical_in_another_process():

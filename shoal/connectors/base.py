@@ -15,6 +15,10 @@ from typing import Any, ClassVar
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
+class ConnectorError(RuntimeError):
+    """A connector failed in a way the engine cannot undo: the fleet must be restarted."""
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Which connector, with what options. Either a registered `name`, or `module` plus both
@@ -60,7 +64,7 @@ class ConnectorContext:
     owner_rank: int  # the owner whose requests this object serves
     mode: str  # "single" | "tp" | "adp"
     block_size: int  # token slots per block
-    namespace: str  # hex of the block-key namespace (model, dtype, block size, layout, shard)
+    namespace: str  # hex of the block-key namespace (model, dtype, block size, layout, TP size)
     device: str  # where the KV cache lives
 
 

@@ -11,7 +11,9 @@ across restarts (format and publish protocol: pool_file.py). Options:
 
 Only full prompt blocks move (the engine's `block_keys`). A block is saved by the step
 that completes it, unless the pool has it already; a request's load covers the longest
-run of consecutive pool hits after its local prefix hit.
+run of consecutive pool hits after its local prefix hit. Under TP each rank's worker
+stores its shard under `shard_key(key, rank, world_size)`; the scheduler side (rank 0)
+counts a block as a hit only if every shard's file exists, and saves it if any is missing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.block_keys import shard_key, shard_namespace
 from shoal.connectors import pool_file as pf
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    KvConnectorScheduler, KvConnectorWorker, RequestView,
@@ -99,6 +102,7 @@ class FsPoolScheduler(KvConnectorScheduler):
         opts = open_pool(config)
         self.root, self.is_async = opts.root, opts.is_async
         self._root_str = str(self.root)
+        self._num_shards = ctx.world_size if ctx.mode == "tp" else 1
         self._matched: dict[str, tuple[int, int]] = {}  # rid -> (first block, num blocks)
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
@@ -112,7 +116,7 @@ class FsPoolScheduler(KvConnectorScheduler):
         last = (len(request.prompt_token_ids) - 1) // bs  # never the last prompt token's block
         hits = 0
         for i in range(first, min(last, len(request.block_keys))):
-            if not os.path.isfile(pf.block_path_str(self._root_str, request.block_keys[i])):
+            if not self._in_pool(request.block_keys[i]):
                 break
             hits += 1
         self._stats["pool_lookups"] += 1
@@ -146,7 +150,7 @@ class FsPoolScheduler(KvConnectorScheduler):
                        len(rd.block_keys), len(st.block_ids))
             for i in range(st.num_checked, full):
                 key = rd.block_keys[i]
-                if key in self._saving_keys or os.path.isfile(pf.block_path_str(self._root_str, key)):
+                if key in self._saving_keys or self._in_pool(key):
                     continue
                 self._saving_keys.add(key)
                 st.saved_keys.append(key)
@@ -154,6 +158,12 @@ class FsPoolScheduler(KvConnectorScheduler):
                 st.has_saves = True
             st.num_checked = max(st.num_checked, full)
         return meta
+
+    def _in_pool(self, key: bytes) -> bool:
+        """Every shard of the block has a file (validity is checked when it is read)."""
+        n = self._num_shards
+        return all(os.path.isfile(pf.block_path_str(self._root_str, shard_key(key, r, n)))
+                   for r in range(n))
 
     def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         self._matched.pop(request.request_id, None)
@@ -176,7 +186,9 @@ class FsPoolWorker(KvConnectorWorker):
         super().__init__(config, ctx)
         opts = open_pool(config)
         self.root, self.is_async, self.max_bytes = opts.root, opts.is_async, opts.max_bytes
-        self.namespace = bytes.fromhex(ctx.namespace)
+        # the shard this rank holds (TP), named in its files' keys and headers
+        self._shard = (ctx.rank, ctx.world_size) if ctx.mode == "tp" else (0, 1)
+        self.namespace = shard_namespace(bytes.fromhex(ctx.namespace), *self._shard)
         self._num_threads = opts.io_threads
         self._io = ThreadPoolExecutor(self._num_threads, thread_name_prefix="shoal-fs-io")
         self._lock = threading.Lock()
@@ -276,8 +288,9 @@ class FsPoolWorker(KvConnectorWorker):
         else:
             staging = self._staging()
             dest = _bytes_of(staging)
+        key = shard_key(t.key, *self._shard)
         try:
-            path = pf.read_block_into(self.root, self.namespace, t.key, dest,
+            path = pf.read_block_into(self.root, self.namespace, key, dest,
                                       self.block_shape, self.dtype)
             if not self.on_cpu:
                 self.kv[t.block_id].copy_(staging)
@@ -286,12 +299,12 @@ class FsPoolWorker(KvConnectorWorker):
             self._record_failure(t, "missing_blocks")
             return
         except pf.CorruptBlock as e:
-            log.warning("pool block %s is corrupt (%s): quarantined, recomputing", t.key.hex(), e)
-            pf.quarantine(self.root, t.key, e.reason)
+            log.warning("pool block %s is corrupt (%s): quarantined, recomputing", key.hex(), e)
+            pf.quarantine(self.root, key, e.reason)
             self._record_failure(t, "corrupt_blocks")
             return
         except OSError as e:
-            log.warning("pool block %s could not be read: %s", t.key.hex(), e)
+            log.warning("pool block %s could not be read: %s", key.hex(), e)
             self._record_failure(t, "missing_blocks")
             return
         with self._lock:
@@ -318,11 +331,12 @@ class FsPoolWorker(KvConnectorWorker):
 
     def _save_block(self, t: BlockTransfer, block: torch.Tensor) -> None:
         start = time.perf_counter()
+        key = shard_key(t.key, *self._shard)
         try:
-            written = pf.write_block(self.root, self.namespace, t.key, _bytes_of(block),
+            written = pf.write_block(self.root, self.namespace, key, _bytes_of(block),
                                      self.block_shape, self.dtype)
         except OSError as e:
-            log.warning("pool save of block %s failed: %s", t.key.hex(), e)
+            log.warning("pool save of block %s failed: %s", key.hex(), e)
             with self._lock:
                 self._stats["save_failures"] += 1
             return

@@ -39,8 +39,11 @@ class TransferReport:
 
 
 class ConnectorManager:
+    """`lead`: this process runs the connector's scheduler side (under TP only rank 0 does;
+    see shoal.parallel.tp_connector)."""
+
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext, registration:
-                 KVCacheRegistration, pool: BlockPool):
+                 KVCacheRegistration, pool: BlockPool, lead: bool = True):
         scheduler_cls, worker_cls = resolve_connector(config)
         if ctx.mode == "adp":
             for cls in (scheduler_cls, worker_cls):
@@ -50,7 +53,7 @@ class ConnectorManager:
         self.config = config
         self.ctx = ctx
         self.pool = pool
-        self.scheduler = scheduler_cls(config, ctx)
+        self.scheduler = scheduler_cls(config, ctx) if lead else None
         self.worker = worker_cls(config, ctx)
         self.worker.register_kv_caches(registration)
         self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
@@ -63,6 +66,10 @@ class ConnectorManager:
 
     # -- scheduler side ------------------------------------------------------------------
 
+    def _ask(self, hook: str, *args):
+        """Call a scheduler-side hook (TP: on rank 0, the answer broadcast to every rank)."""
+        return getattr(self.scheduler, hook)(*args)
+
     def view(self, req: Request) -> RequestView:
         num_full = req.num_prompt_tokens // self.ctx.block_size
         return RequestView(req.request_id, tuple(req.prompt_token_ids), req.cache_salt,
@@ -70,7 +77,7 @@ class ConnectorManager:
 
     def match(self, req: Request, num_computed: int) -> tuple[int, bool]:
         """Pool tokens beyond the local prefix hit, validated against the contract."""
-        num, is_async = self.scheduler.get_num_new_matched_tokens(self.view(req), num_computed)
+        num, is_async = self._ask("get_num_new_matched_tokens", self.view(req), num_computed)
         if num == 0 and is_async:
             raise RuntimeError(f"connector answered (0, True) for {req.request_id}: "
                                "an async load of nothing")
@@ -81,7 +88,7 @@ class ConnectorManager:
         return num, is_async
 
     def after_alloc(self, req: Request, num_cached: int, num_external: int) -> None:
-        self.scheduler.update_state_after_alloc(self.view(req), list(req.block_ids))
+        self._ask("update_state_after_alloc", self.view(req), list(req.block_ids))
         if num_external:
             self._load_plans[req.request_id] = (num_cached, num_external)
             self._pending_new.append(req)
@@ -97,7 +104,7 @@ class ConnectorManager:
                                           c.block_ids)
             (cached if seen else new).append(rd)
         out = SchedulerOutput(tuple(new), tuple(cached), self.ctx.owner_rank)
-        return self.scheduler.build_connector_meta(out)
+        return self._ask("build_connector_meta", out)
 
     def _request_data(self, req: Request, token_ids, computed: int, num_scheduled: int,
                       block_ids: list[int]) -> tuple[RequestData, bool]:
@@ -124,7 +131,7 @@ class ConnectorManager:
         self._load_plans.pop(req.request_id, None)
         if not seen and req.request_id not in self._pins:
             return False
-        if self.scheduler.request_finished(self.view(req), list(req.block_ids)):
+        if self._ask("request_finished", self.view(req), list(req.block_ids)):
             self._new_save_episode(req.request_id)
             return True
         return False
@@ -176,21 +183,24 @@ class ConnectorManager:
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv()
 
-    def end_step(self, saving_ids: list[str], loading_ids: list[str]) -> TransferReport:
+    def end_step(self, save_epochs: dict[str, int], loading_ids: list[str]) -> TransferReport:
+        """After the forward: saves enqueued, then a poll over the pending transfers
+        (`save_epochs`: the pending saves and their episodes when the step was launched)."""
         self.worker.wait_for_save()
         self.worker.clear_connector_meta()
-        saved, loaded = self.worker.get_finished(saving_ids, loading_ids)
+        saved, loaded = self.worker.get_finished(list(save_epochs), loading_ids)
         failed = self.worker.get_failed_loads()
         return TransferReport(set(saved), set(loaded), dict(failed))
 
     # -- both --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        s = {**self.scheduler.stats(), **self.worker.stats()}
+        s = {**(self.scheduler.stats() if self.scheduler else {}), **self.worker.stats()}
         s["connector_tokens_loaded"] = self.num_connector_tokens_loaded
         s["load_failures_recomputed"] = self.num_load_failures_recomputed
         return s
 
     def shutdown(self) -> None:
         self.worker.shutdown()
-        self.scheduler.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

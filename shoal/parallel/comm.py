@@ -40,6 +40,7 @@ class Comm:
         self.num_data_collectives = 0  # all-reduces inside the forward
         self.control_seconds = 0.0  # wall time spent in control collectives
         self._control = None
+        self._transfers = None
         if info.world_size > 1:
             timeout = datetime.timedelta(seconds=timeout_s)
             dist.init_process_group(backend=backend, init_method=init_method, rank=info.rank,
@@ -48,6 +49,9 @@ class Comm:
             # on the scheduling thread while the forward's all-reduces run on another thread,
             # and collectives of one group must be issued in the same order on every rank.
             self._control = dist.new_group(backend="gloo", timeout=timeout)
+            # TP transfer reports are agreed on the thread that runs the forward (the
+            # overlap loop's scheduling thread owns the control group meanwhile)
+            self._transfers = dist.new_group(backend="gloo", timeout=timeout)
 
     @property
     def world_size(self) -> int:
@@ -87,8 +91,21 @@ class Comm:
         self.control_seconds += time.perf_counter() - start
         return [t.tolist() for t in out]
 
+    def all_reduce_min_ints(self, values: list[int]) -> list[int]:
+        """Element-wise minimum over all ranks (TP: a transfer is done only where every rank's
+        flag is 1). Issued from the executing thread, on its own group."""
+        if self.world_size == 1:
+            return list(values)
+        self.num_control_collectives += 1
+        start = time.perf_counter()
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._transfers)
+        self.control_seconds += time.perf_counter() - start
+        return t.tolist()
+
     def broadcast_object(self, obj, src: int = 0):
-        """Rank `src`'s object on every rank (new requests: trusted, in-job traffic only)."""
+        """Rank `src`'s object on every rank (new requests, TP connector answers and plans:
+        trusted, in-job traffic only)."""
         if self.world_size == 1:
             return obj
         self.num_control_collectives += 1

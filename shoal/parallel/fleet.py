@@ -35,11 +35,12 @@ def free_port() -> int:
 
 
 def check_connector_opt_in(connector_config, mode: str) -> None:
-    """Refuse, before any process starts, a connector that cannot run in `mode`."""
+    """Refuse, before any process starts, a connector that cannot run in `mode` (ADP needs
+    both classes to opt in; under TP any connector runs, led by rank 0)."""
     from shoal.connectors.registry import resolve_connector
-    if mode == "tp":
-        raise ValueError("kv_connector with tp_size > 1 is not available in this version "
-                         "(use dp_size, or one rank)")
+    if mode != "adp":
+        resolve_connector(connector_config)  # a bad name or module still fails here
+        return
     for cls in resolve_connector(connector_config):
         if not getattr(cls, "supports_attention_dp", False):
             raise ValueError(f"connector class {cls.__module__}.{cls.__qualname__} does not "

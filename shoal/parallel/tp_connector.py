@@ -1,0 +1,78 @@
+"""A connector under tensor parallelism: rank 0 decides, every rank moves its shard.
+
+Every TP rank runs the same scheduler over the same requests, so each keeps the engine's
+own bookkeeping (pins, save episodes, load plans) and allocates the same block ids. The
+connector's scheduler side runs on rank 0 only: each of its answers (pool matches, the
+step's plan, whether a finished request still saves) is broadcast on the control group,
+so all ranks admit, load and save alike. Every rank has a worker that moves its shard of
+each block (pool keys include the shard). A transfer is finished only when every rank's
+worker has reported it: the ranks agree on each poll with one element-wise-minimum
+all-reduce (issued on the executing thread, only while transfers are pending), and a
+failed load counts from the first bad block on any rank, so no rank loads what another
+recomputes.
+"""
+
+from __future__ import annotations
+
+from shoal.block_pool import BlockPool
+from shoal.connectors.base import (ConnectorConfig, ConnectorContext, ConnectorError,
+                                   KVCacheRegistration)
+from shoal.connectors.manager import ConnectorManager, TransferReport
+from shoal.parallel.comm import Comm
+
+NO_FAILURE = 1 << 62  # "no failed block" in the agreed minimum
+
+
+class TpConnectorManager(ConnectorManager):
+    def __init__(self, config: ConnectorConfig, ctx: ConnectorContext,
+                 registration: KVCacheRegistration, pool: BlockPool, comm: Comm):
+        super().__init__(config, ctx, registration, pool, lead=ctx.rank == 0)
+        self.comm = comm
+        self._saved: dict[str, int] = {}  # rid -> save episode this rank's worker finished
+        self._loaded: set[str] = set()  # loads this rank's worker finished
+        self._failed: dict[str, int] = {}  # ... of which failed, from this block index on
+
+    def _ask(self, hook: str, *args):
+        answer = None
+        if self.scheduler is not None:
+            try:
+                answer = ("ok", super()._ask(hook, *args))
+            except Exception as e:  # every rank must learn it, or the others wait forever
+                answer = ("error", f"{type(e).__name__}: {e}")
+        kind, value = self.comm.broadcast_object(answer, src=0)
+        if kind == "error":
+            raise ConnectorError(f"the connector's scheduler side (rank 0) failed in {hook}: "
+                                 f"{value}")
+        return value
+
+    def end_step(self, save_epochs: dict[str, int], loading_ids: list[str]) -> TransferReport:
+        self.worker.wait_for_save()
+        self.worker.clear_connector_meta()
+        ask_save = [rid for rid, epoch in save_epochs.items() if self._saved.get(rid) != epoch]
+        ask_load = [rid for rid in loading_ids if rid not in self._loaded]
+        saved, loaded = self.worker.get_finished(ask_save, ask_load)
+        for rid in saved:
+            self._saved[rid] = save_epochs[rid]
+        self._loaded.update(loaded)
+        self._failed.update(self.worker.get_failed_loads())
+        save_ids = list(save_epochs)
+        flags = ([int(self._saved.get(rid) == save_epochs[rid]) for rid in save_ids]
+                 + [int(rid in self._loaded) for rid in loading_ids]
+                 + [self._failed.get(rid, NO_FAILURE) for rid in loading_ids])
+        if not flags:  # the same on every rank: nothing pending, nothing to agree on
+            return TransferReport()
+        agreed = self.comm.all_reduce_min_ints(flags)
+        report = TransferReport()
+        for rid, done in zip(save_ids, agreed):
+            if done:
+                report.finished_saving.add(rid)
+                del self._saved[rid]
+        n, m = len(save_ids), len(loading_ids)
+        for i, rid in enumerate(loading_ids):
+            if agreed[n + i]:
+                report.finished_loading.add(rid)
+                self._loaded.discard(rid)
+                self._failed.pop(rid, None)
+                if agreed[n + m + i] != NO_FAILURE:
+                    report.failed_loads[rid] = agreed[n + m + i]
+        return report
