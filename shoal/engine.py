@@ -11,8 +11,8 @@ import torch
 
 from shoal.block_keys import make_namespace
 from shoal.config import EngineConfig
-from shoal.connectors.base import ConnectorContext, KVCacheRegistration
-from shoal.connectors.manager import ConnectorManager
+from shoal.connectors.base import ConnectorContext, ConnectorError, KVCacheRegistration
+from shoal.connectors.manager import KEEP_ALIVE, ConnectorManager
 from shoal.executor import Executor
 from shoal.kv_cache import KVCache, KVCacheLayout
 from shoal.kv_cache_manager import KVCacheManager
@@ -34,7 +34,7 @@ STAT_KEYS = (
     "load_failures_recomputed", "deadline_expiries", "cancellations",
     "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
     "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved", "load_gbps", "save_gbps",
-    "kv_blocks_used", "control_seconds", "forward_seconds",
+    "kv_blocks_used", "control_seconds", "forward_seconds", "transfers_aborted",
 )
 
 
@@ -102,6 +102,7 @@ class Engine:
                                  config.overlap_scheduler, self.connector, fleet_sync)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._ids = itertools.count()
+        self._live: dict[str, Request] = {}  # request id -> request, until it is returned
         self._rejected: list[Request] = []
         self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",
                                       "local_prefix_hit_tokens"), 0)
@@ -130,21 +131,47 @@ class Engine:
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_token_ids)
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
                       frozenset(stop), cache_salt=cache_salt, prompt=prompt)
+        if req.request_id in self._live:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
         error = self.scheduler.add(req)
         if error is not None:
             self.scheduler.finish(req, "error", error)
             self._rejected.append(req)
+        self._live[req.request_id] = req
         return req
+
+    def cancel(self, request_id: str) -> None:
+        """End a request as "cancelled" (no-op if unknown or already ended). With a pending
+        transfer it ends once that drains, within control_grace_sec."""
+        req = self._live.get(request_id)
+        if req is not None and not req.is_finished:
+            if self.executor.cancel(req):
+                self._rejected.append(req)  # returned by the next step
+        elif self.connector is not None:  # ended; a save of it may still be pending
+            self.connector.shorten_deadline(request_id)
 
     @property
     def has_work(self) -> bool:
         return self.executor.has_work or bool(self._rejected)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped for good (a fatal connector failure), or None."""
+        return None if self.connector is None else self.connector.failure
+
     def step(self) -> list[Request]:
-        """One executor step; returns the requests that ended (rejected ones included)."""
+        """One executor step; returns the requests that ended (rejected ones included).
+        Raises ConnectorError once the connector failed (and on every later call); under
+        ADP the step's all-gather raises it on every owner instead."""
+        voted = self.executor.fleet_sync is not None
+        if self.failure is not None and not voted:
+            raise ConnectorError(self.failure)
         finished, self._rejected = self._rejected, []
         finished += self.executor.step().finished
+        if self.failure is not None and not voted:
+            raise ConnectorError(self.failure)
         for req in finished:
+            self._live.pop(req.request_id, None)
             self._counts["prompt_tokens"] += req.num_prompt_tokens
             self._counts["generated_tokens"] += len(req.output_token_ids)
             self._counts["local_prefix_hit_tokens"] += req.num_local_prefix_tokens or 0
@@ -157,6 +184,7 @@ class Engine:
         s["forward_passes"] = self.executor.num_forward_passes
         s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
         s["preemptions"] = self.scheduler.num_preemptions
+        s["cancellations"] = self.scheduler.num_cancellations
         s["control_collectives"] = self.comm.num_control_collectives
         s["control_seconds"] = self.comm.control_seconds
         s["forward_seconds"] = self.executor.forward_seconds
@@ -171,7 +199,32 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def live_requests(self) -> dict[str, Request]:
+        """Requests added and not yet returned by step(), by id."""
+        return self._live
+
+    def begin_drain(self) -> None:
+        """Cancel every live request; every pending transfer gets at most control_grace_sec."""
+        for rid in list(self._live):
+            self.cancel(rid)
+        if self.connector is not None:
+            self.connector.shorten_all_deadlines()
+
+    def drain(self) -> list[Request]:
+        """begin_drain, then step until nothing is pending. Returns the requests that ended."""
+        self.begin_drain()
+        ended = []
+        while self.has_work:
+            ended += self.step()
+        return ended
+
     def shutdown(self) -> None:
+        """Drain, then stop. After a fatal failure nothing is waited for and the KV memory
+        stays referenced for the life of the process (a copy may still write it)."""
+        if self.failure is None:
+            self.drain()
+        if self.failure is not None:
+            KEEP_ALIVE.append(self.kv_cache)
         self.executor.shutdown()
         if self.connector is not None:
             self.connector.shutdown()

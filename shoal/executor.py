@@ -43,8 +43,9 @@ class Executor:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool,
                  connector: ConnectorManager | None = None, fleet_sync=None):
         self.scheduler = scheduler
-        # ADP: fleet_sync(num_tokens, has_work, num_pending_transfers) -> every owner's
-        # num_tokens (the step's one control all-gather); all join a forward if any has tokens
+        # ADP: fleet_sync(num_tokens, has_work, num_pending_transfers, failure) -> every
+        # owner's num_tokens (the step's one control all-gather; it raises on every owner if
+        # any owner's connector failed); all join a forward if any has tokens
         self.fleet_sync = fleet_sync
         self.runner = runner
         self.overlap = overlap
@@ -60,12 +61,18 @@ class Executor:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
 
+    def cancel(self, req: Request) -> None:
+        """End `req` as cancelled (at once, or once its pending transfer drains)."""
+        self.scheduler.cancel(req, defer_free=self._inflight is not None)
+
     def step(self) -> StepResult:
         self.num_iterations += 1
         batch = self.scheduler.schedule()
         if self.fleet_sync is not None:
+            failure = None if self.connector is None else self.connector.failure
             batch.dp_token_counts = self.fleet_sync(
-                batch.num_tokens, self.has_work, len(batch.saving_ids) + len(batch.loading_ids))
+                batch.num_tokens, self.has_work, len(batch.saving_ids) + len(batch.loading_ids),
+                failure)
         # a step runs if it computes, polls transfers or pads for an ADP peer; else it idles
         runs = not batch.is_empty or batch.has_transfers or batch.is_padding
         if self.overlap:
@@ -104,12 +111,12 @@ class Executor:
             self.num_forward_passes += 1
             start = time.perf_counter()
             # padding rows never reach a connector: no layer hooks for a padding forward
-            hooks = connector.worker if connector is not None and not batch.is_empty else None
+            hooks = connector.layer_hooks if connector is not None and not batch.is_empty else None
             sampled = self.runner.execute(batch, hooks)
             self.forward_seconds += time.perf_counter() - start
         report = None
         if connector is not None:
-            report = connector.end_step(batch.save_epochs, batch.loading_ids)
+            report = connector.end_step(batch.save_epochs, batch.loading_ids, batch.deadlines)
         return StepOutput(sampled, report)
 
     def _update(self, batch: ScheduledBatch, out: StepOutput, defer_free: bool) -> list[Request]:

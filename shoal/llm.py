@@ -9,6 +9,7 @@ from typing import Sequence
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorConfig
 from shoal.engine import Engine
+from shoal.handle import Driver, RequestHandle
 from shoal.request import Request, RequestOutput
 from shoal.sampling import SamplingParams
 
@@ -49,6 +50,7 @@ class LLM:
         else:
             self._engine = Engine(self.config)
         self.tokenizer = self._engine.tokenizer
+        self._driver = Driver(self._engine, self._output)
 
     @property
     def engine(self):
@@ -64,15 +66,44 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling, len(prompts))
-        reqs = []
-        for prompt, sp in zip(prompts, params):
+        handles = self._submit([(p, sp, None) for p, sp in zip(prompts, params)], cache_salt)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(handles), desc="requests", file=sys.stderr, unit="req")
+        try:
+            outs = []
+            for h in handles:
+                outs.append(h.result())
+                if bar is not None:
+                    bar.update(1)
+            return outs
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def submit(self, prompt: Prompt, sampling: SamplingParams | None = None,
+               request_id: str | None = None, *, cache_salt: str | None = None) -> RequestHandle:
+        """Start one request and return at once; the engine runs it in the background.
+        The handle has request_id, cancel(), result(timeout=None) and stream()."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        return self._submit([(prompt, sampling or SamplingParams(), request_id)], cache_salt)[0]
+
+    def _submit(self, items, cache_salt: str | None) -> list[RequestHandle]:
+        """(prompt, sampling, request_id) items, added to the engine in one go."""
+        self.engine  # noqa: B018 -- raises once shut down
+        adds = []
+        for prompt, sp, rid in items:
             if isinstance(prompt, str):
-                reqs.append(self.engine.add_request(self.tokenizer.encode(prompt), sp,
-                                                    prompt=prompt, cache_salt=cache_salt))
+                ids, text = self.tokenizer.encode(prompt), prompt
             else:
-                reqs.append(self.engine.add_request(list(prompt), sp, cache_salt=cache_salt))
-        self._run(reqs, use_tqdm)
-        return [self._output(r) for r in reqs]
+                ids, text = list(prompt), None
+            adds.append(lambda engine, ids=ids, sp=sp, rid=rid, text=text: engine.add_request(
+                ids, sp, request_id=rid, prompt=text, cache_salt=cache_salt))
+        return self._driver.submit(adds)
 
     def chat(self, messages_list: Sequence[dict] | Sequence[Sequence[dict]],
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -86,16 +117,20 @@ class LLM:
 
     def stats(self) -> dict:
         """Counters summed over ranks, plus "per_rank": one dict of the same keys per rank."""
-        s = self.engine.stats()
+        s = self._call(lambda engine: engine.stats())
         return s if "per_rank" in s else {**s, "per_rank": [dict(s)]}
 
     def check_integrity(self) -> None:
-        self.engine.check_integrity()
+        """Block accounting holds on every rank (AssertionError naming what broke)."""
+        self._call(lambda engine: engine.check_integrity())
 
     def shutdown(self) -> None:
+        """Cancel what is still running, drain pending KV saves (each gets at most the
+        connector's control_grace_sec), stop. Raises the connector's error if that fails."""
         if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+            engine, self._engine = self._engine, None
+            self._driver.stop()
+            del engine
 
     def __enter__(self) -> "LLM":
         return self
@@ -103,23 +138,10 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _run(self, reqs: list[Request], use_tqdm: bool) -> None:
-        pending = {r.request_id for r in reqs if not r.is_finished}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(reqs), desc="requests", file=sys.stderr, unit="req")
-            bar.update(len(reqs) - len(pending))
-        try:
-            engine = self.engine
-            while engine.has_work:
-                done = engine.step()
-                if bar is not None:
-                    bar.update(sum(r.request_id in pending for r in done))
-                pending.difference_update(r.request_id for r in done)
-        finally:
-            if bar is not None:
-                bar.close()
+    def _call(self, fn):
+        """fn(engine) where the engine runs (the driver thread, once it started)."""
+        self.engine  # noqa: B018 -- raises once shut down
+        return self._driver.call(fn)
 
     def _output(self, req: Request) -> RequestOutput:
         return to_output(req, self.tokenizer)

@@ -38,6 +38,7 @@ class ScheduledBatch:
     save_epochs: dict[str, int] = field(default_factory=dict)  # their episodes at launch
     dp_token_counts: list[int] | None = None  # ADP: every owner's num_tokens this step
     loading_ids: list[str] = field(default_factory=list)  # pending loads to poll after it
+    deadlines: dict[str, float] = field(default_factory=dict)  # of those transfers, at launch
 
     @property
     def is_empty(self) -> bool:
@@ -71,7 +72,9 @@ class Scheduler:
         self.loading: dict[str, Request] = {}  # WAITING_FOR_LOAD: blocks held, in no batch
         self.saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
         self._deferred_free: list[Request] = []  # finished while a later step may touch blocks
+        self._cancelling: set[str] = set()  # cancelled while a load was pending
         self.num_preemptions = 0
+        self.num_cancellations = 0
 
     @property
     def has_work(self) -> bool:
@@ -145,6 +148,7 @@ class Scheduler:
             batch.connector_meta = self.connector.build_meta(chunks)
             batch.save_epochs = self.connector.pending_saves()
             batch.saving_ids, batch.loading_ids = list(batch.save_epochs), list(self.loading)
+            batch.deadlines = self.connector.deadlines([*batch.saving_ids, *batch.loading_ids])
         return batch
 
     def update(self, batch: ScheduledBatch, sampled: list[int], defer_free: bool) -> list[Request]:
@@ -194,16 +198,40 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         self._release(req, defer_free)
 
+    def cancel(self, req: Request, defer_free: bool) -> bool:
+        """End `req` as "cancelled"; True if it ended now (possibly SAVING: a pending save
+        keeps its blocks pinned until it drains). A request whose load is pending keeps its
+        blocks and ends when the load drains (apply_transfers returns it then). Either way
+        the transfer gets at most the grace from now."""
+        if req.is_finished or req.request_id in self._cancelling:
+            return False
+        self.num_cancellations += 1
+        if self.connector is not None:
+            self.connector.shorten_deadline(req.request_id)
+        if req.status == RequestStatus.WAITING_FOR_LOAD:
+            self._cancelling.add(req.request_id)
+            return False
+        self.finish(req, "cancelled", defer_free=defer_free)
+        if self.connector is not None:
+            self.connector.shorten_deadline(req.request_id)  # a save pending from now on
+        return True
+
     def apply_transfers(self, batch: ScheduledBatch, report: TransferReport,
                         defer_free: bool) -> list[Request]:
         """Finished loads join the running requests (or fail); finished saves release their
-        blocks. Returns requests that ended here (a load failing under policy "fail")."""
-        ended = []
+        blocks; aborted transfers end their requests with an error. Returns requests that
+        ended here."""
+        ended = self._apply_aborts(report, defer_free)
         for rid in sorted(report.finished_loading):
             req = self.loading.get(rid)
             if req is None:
                 continue  # reported by an earlier poll already (the overlap loop polls twice)
             num_ok, error = self.connector.load_result(req, report)
+            if rid in self._cancelling:
+                self._cancelling.discard(rid)
+                self.finish(req, "cancelled", defer_free=defer_free)
+                ended.append(req)
+                continue
             if error is not None:
                 self.finish(req, "error", error, defer_free)  # leaves self.loading there
                 ended.append(req)
@@ -224,7 +252,36 @@ class Scheduler:
                 self._release(req, defer_free)
         return ended
 
+    def _apply_aborts(self, report: TransferReport, defer_free: bool) -> list[Request]:
+        """The worker gave up these transfers (deadline passed; nothing of them runs now)."""
+        ended = []
+        for rid in sorted(report.aborted):
+            req = self.loading.get(rid)
+            if req is not None:
+                self.connector.load_aborted(rid)
+                cancelled = rid in self._cancelling
+                self._cancelling.discard(rid)
+                self.finish(req, "cancelled" if cancelled else "error",
+                            None if cancelled else "the KV load did not finish within its "
+                            "deadline and was aborted", defer_free)
+                ended.append(req)
+            if self.connector.has_pending_saves and rid in self.connector.pending_saves():
+                self.connector.save_aborted(rid)
+                req = self.saving.pop(rid, None)
+                if req is not None:  # its tokens stand; the save is what failed
+                    if req.finish_reason != "cancelled":
+                        req.finish_reason = "error"
+                        req.error = "the KV save did not finish within its deadline and was aborted"
+                    req.status = RequestStatus.FINISHED  # ended (and was returned) before
+                    self._release(req, defer_free)
+        return ended
+
     def _release(self, req: Request, defer_free: bool) -> None:
+        if self.connector is not None and self.connector.is_loading(req.request_id):
+            # never free blocks a copy may still write: refused, and fatal
+            self.connector.fail("refused to free the blocks of a request whose load is still "
+                                "pending", req.request_id)
+            return
         if req.block_ids and defer_free:
             self._deferred_free.append(req)
         elif req.block_ids:

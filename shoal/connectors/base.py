@@ -196,6 +196,9 @@ class KvConnectorWorker(abc.ABC):
         return {}
 
     def abort(self, request_ids: list[str]) -> None:
+        """Only with supports_abort: give up these requests' pending transfers (their deadline
+        passed). When it returns no copy touches their blocks any more, and get_finished /
+        get_failed_loads never report them."""
         raise NotImplementedError(f"{type(self).__name__} does not support abort")
 
     def stats(self) -> dict[str, float]:

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +181,7 @@ class FsPoolScheduler(KvConnectorScheduler):
 
 class FsPoolWorker(KvConnectorWorker):
     supports_attention_dp = True
+    supports_abort = True  # I/O not started is cancelled; I/O in progress is waited for
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         super().__init__(config, ctx)
@@ -258,6 +259,19 @@ class FsPoolWorker(KvConnectorWorker):
                 if rid in self._bad_block:
                     self._failed[rid] = self._bad_block.pop(rid)
         return done_saving, done_loading
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Cancel the requests' queued I/O; wait for the I/O already running (a read or
+        write of one block file: bounded by the disk, not by the pool's other traffic)."""
+        running = []
+        for rid in request_ids:
+            for table in (self._loads, self._saves):
+                running += [f for f in table.pop(rid, ()) if not f.cancel()]
+        wait(running)
+        with self._lock:
+            for rid in request_ids:
+                self._bad_block.pop(rid, None)
+                self._failed.pop(rid, None)
 
     def get_failed_loads(self) -> dict[str, int]:
         with self._lock:

@@ -15,10 +15,20 @@ Blocks a transfer may touch stay held: a loading request keeps its blocks (it is
 batch and never preempted); a finished request whose save is pending keeps them until
 the worker reports it; a preempted request's blocks are pinned (an extra reference) until
 the request's final save report, because saves already enqueued may still read them.
+
+Failure policy (SPEC 6): every pending transfer has a deadline, set when it is first
+pending and never extended (a cancel or shutdown shortens it to the grace). An exception
+from any hook, a contract violation or an expired deadline (unless the worker supports
+abort) is fatal: the manager records `failure`, asks the connector nothing more, keeps
+every block held, and the engine stops with that message (a fleet votes it to every rank).
+An abort-capable worker's expired transfer is aborted and becomes its request's error.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +38,17 @@ from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheReg
 from shoal.connectors.registry import resolve_connector
 from shoal.request import Request
 
+log = logging.getLogger(__name__)
+
+# What a scheduler-side hook yields once the connector has failed (it is not asked again):
+# nothing matched, an empty plan, and a finished request keeps its blocks
+SAFE_ANSWERS = {"get_num_new_matched_tokens": (0, False), "update_state_after_alloc": None,
+                "build_connector_meta": None, "request_finished": True}
+
+# Memory a copy may still touch after a fatal failure: kept referenced for the life of the
+# process, never freed or reused (a restart is required anyway)
+KEEP_ALIVE: list = []
+
 
 @dataclass
 class TransferReport:
@@ -36,6 +57,7 @@ class TransferReport:
     finished_saving: set[str] = field(default_factory=set)
     finished_loading: set[str] = field(default_factory=set)
     failed_loads: dict[str, int] = field(default_factory=dict)  # rid -> first bad block index
+    aborted: set[str] = field(default_factory=set)  # transfers aborted at their deadline
 
 
 class ConnectorManager:
@@ -61,14 +83,35 @@ class ConnectorManager:
         self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
         self._save_epochs: dict[str, int] = {}  # rid -> episode of its pending save report
         self._pending_new: list[Request] = []  # admitted for a load this step (0 tokens)
+        self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
+        self.failure: str | None = None  # the first fatal failure: the engine must stop
+        self.layer_hooks = _LayerHooks(self)  # what the forward calls per layer
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
+        self.num_deadline_expiries = 0
+        self.num_aborted = 0
 
     # -- scheduler side ------------------------------------------------------------------
 
+    def fail(self, what: str, request_id: str | None = None) -> None:
+        """Record a fatal failure (the first one counts); the engine stops at its next check."""
+        if self.failure is not None:
+            return
+        about = f", request {request_id}" if request_id else ""
+        self.failure = (f"KV connector failure (owner {self.ctx.owner_rank}, rank {self.ctx.rank}"
+                        f"{about}): {what}. The engine must be restarted.")
+        log.error("%s", self.failure)
+
     def _ask(self, hook: str, *args):
         """Call a scheduler-side hook (TP: on rank 0, the answer broadcast to every rank)."""
-        return getattr(self.scheduler, hook)(*args)
+        if self.failure is not None:
+            return SAFE_ANSWERS[hook]
+        try:
+            return getattr(self.scheduler, hook)(*args)
+        except Exception as e:
+            rid = args[0].request_id if args and isinstance(args[0], RequestView) else None
+            self.fail(f"{hook} raised {type(e).__name__}: {e}", rid)
+            return SAFE_ANSWERS[hook]
 
     def view(self, req: Request) -> RequestView:
         num_full = req.num_prompt_tokens // self.ctx.block_size
@@ -78,20 +121,23 @@ class ConnectorManager:
     def match(self, req: Request, num_computed: int) -> tuple[int, bool]:
         """Pool tokens beyond the local prefix hit, validated against the contract."""
         num, is_async = self._ask("get_num_new_matched_tokens", self.view(req), num_computed)
-        if num == 0 and is_async:
-            raise RuntimeError(f"connector answered (0, True) for {req.request_id}: "
-                               "an async load of nothing")
         limit = req.num_prompt_tokens - 1 - num_computed
-        if not 0 <= num <= max(limit, 0):
-            raise RuntimeError(f"connector offered {num} tokens for {req.request_id}; "
-                               f"at most {limit} are allowed (never the last prompt token)")
-        return num, is_async
+        if num == 0 and is_async:
+            self.fail("get_num_new_matched_tokens answered (0, True): an async load of nothing",
+                      req.request_id)
+        elif not 0 <= num <= max(limit, 0):
+            self.fail(f"get_num_new_matched_tokens offered {num} tokens; at most {limit} are "
+                      "allowed (never the last prompt token)", req.request_id)
+        else:
+            return num, is_async
+        return 0, False
 
     def after_alloc(self, req: Request, num_cached: int, num_external: int) -> None:
         self._ask("update_state_after_alloc", self.view(req), list(req.block_ids))
         if num_external:
             self._load_plans[req.request_id] = (num_cached, num_external)
             self._pending_new.append(req)
+            self._start_deadline(req.request_id)
 
     def build_meta(self, chunks) -> Any:
         """The connector's plan for a step that computes `chunks` (ScheduledChunk list)."""
@@ -140,6 +186,36 @@ class ConnectorManager:
         # A report counts only for the episode that was pending when its step was launched:
         # the overlap loop applies a step's poll after the next step was scheduled.
         self._save_epochs[request_id] = self._save_epochs.get(request_id, 0) + 1
+        self._start_deadline(request_id)
+
+    # -- deadlines ---------------------------------------------------------------------------
+
+    def _start_deadline(self, request_id: str) -> None:
+        """A transfer of the request is pending from now (an earlier deadline stands)."""
+        self._deadlines.setdefault(request_id,
+                                   time.monotonic() + self.config.transfer_timeout_sec)
+
+    def _end_deadline(self, request_id: str) -> None:
+        if request_id not in self._load_plans and request_id not in self._save_epochs:
+            self._deadlines.pop(request_id, None)
+
+    def shorten_deadline(self, request_id: str) -> None:
+        """A cancel or shutdown: the request's pending transfers get at most the grace."""
+        if request_id in self._deadlines:
+            self._deadlines[request_id] = min(self._deadlines[request_id],
+                                              time.monotonic() + self.config.control_grace_sec)
+
+    def shorten_all_deadlines(self) -> None:
+        for rid in list(self._deadlines):
+            self.shorten_deadline(rid)
+
+    def deadlines(self, request_ids) -> dict[str, float]:
+        """A snapshot for a step (read on the executing thread)."""
+        return {rid: self._deadlines.get(rid, math.inf) for rid in request_ids}
+
+    def is_loading(self, request_id: str) -> bool:
+        """A load of the request is pending: it may still write the request's blocks."""
+        return request_id in self._load_plans
 
     @property
     def has_pending_saves(self) -> bool:
@@ -156,7 +232,18 @@ class ConnectorManager:
             return False
         del self._save_epochs[request_id]
         self.pool.free(self._pins.pop(request_id, []))
+        self._end_deadline(request_id)
         return True
+
+    def save_aborted(self, request_id: str) -> None:
+        """The worker aborted the request's saves (nothing of them runs any more)."""
+        self._save_epochs.pop(request_id, None)
+        self.pool.free(self._pins.pop(request_id, []))
+        self._end_deadline(request_id)
+
+    def load_aborted(self, request_id: str) -> None:
+        self._load_plans.pop(request_id, None)
+        self._end_deadline(request_id)
 
     def pinned_block_refs(self) -> list[int]:
         return [b for blocks in self._pins.values() for b in blocks]
@@ -166,6 +253,7 @@ class ConnectorManager:
         A failed block and everything after it is recomputed (or, with policy "fail", the
         request ends with an error)."""
         num_cached, num_external = self._load_plans.pop(req.request_id)
+        self._end_deadline(req.request_id)
         bad = report.failed_loads.get(req.request_id)
         if bad is None:
             num_ok = num_cached + num_external
@@ -179,18 +267,54 @@ class ConnectorManager:
 
     # -- worker side (the executing thread) ------------------------------------------------
 
-    def begin_step(self, meta: Any) -> None:
-        self.worker.bind_connector_meta(meta)
-        self.worker.start_load_kv()
+    def _work(self, hook: str, *args):
+        """Call a worker hook; an exception is fatal, and a failed connector is not called."""
+        if self.failure is not None:
+            return None
+        try:
+            return getattr(self.worker, hook)(*args)
+        except Exception as e:
+            self.fail(f"worker {hook} raised {type(e).__name__}: {e}")
+            return None
 
-    def end_step(self, save_epochs: dict[str, int], loading_ids: list[str]) -> TransferReport:
+    def begin_step(self, meta: Any) -> None:
+        self._work("bind_connector_meta", meta)
+        self._work("start_load_kv")
+
+    def end_step(self, save_epochs: dict[str, int], loading_ids: list[str],
+                 deadlines: dict[str, float]) -> TransferReport:
         """After the forward: saves enqueued, then a poll over the pending transfers
-        (`save_epochs`: the pending saves and their episodes when the step was launched)."""
-        self.worker.wait_for_save()
-        self.worker.clear_connector_meta()
-        saved, loaded = self.worker.get_finished(list(save_epochs), loading_ids)
-        failed = self.worker.get_failed_loads()
-        return TransferReport(set(saved), set(loaded), dict(failed))
+        (`save_epochs`: the pending saves and their episodes when the step was launched;
+        `deadlines`: their deadlines then). Expired ones are aborted or fatal."""
+        self._work("wait_for_save")
+        self._work("clear_connector_meta")
+        report, expired = self._poll(save_epochs, loading_ids, deadlines)
+        if expired:
+            self.num_deadline_expiries += len(expired)
+            what = (f"a pending transfer passed its deadline (transfer_timeout_sec="
+                    f"{self.config.transfer_timeout_sec:g}, control_grace_sec="
+                    f"{self.config.control_grace_sec:g} after a cancel or shutdown)")
+            if not self.worker.supports_abort:
+                self.fail(what, expired[0])
+            else:
+                self._work("abort", expired)
+                if self.failure is None:
+                    log.warning("%s: aborted %s", what, expired)
+                    self.num_aborted += len(expired)
+                    report.aborted.update(expired)
+        return report
+
+    def _poll(self, save_epochs: dict[str, int], loading_ids: list[str],
+              deadlines: dict[str, float]) -> tuple[TransferReport, list[str]]:
+        """This rank's poll, and the still-pending transfers past their deadline."""
+        answer = self._work("get_finished", list(save_epochs), list(loading_ids))
+        saved, loaded = answer if answer is not None else ((), ())
+        report = TransferReport(set(saved), set(loaded), dict(self._work("get_failed_loads") or {}))
+        now = time.monotonic()
+        expired = [rid for rid in (*save_epochs, *loading_ids)
+                   if rid not in report.finished_saving and rid not in report.finished_loading
+                   and deadlines.get(rid, math.inf) < now]
+        return report, list(dict.fromkeys(expired))
 
     # -- both --------------------------------------------------------------------------------
 
@@ -198,9 +322,28 @@ class ConnectorManager:
         s = {**(self.scheduler.stats() if self.scheduler else {}), **self.worker.stats()}
         s["connector_tokens_loaded"] = self.num_connector_tokens_loaded
         s["load_failures_recomputed"] = self.num_load_failures_recomputed
+        s["deadline_expiries"] = self.num_deadline_expiries
+        s["transfers_aborted"] = self.num_aborted
         return s
 
     def shutdown(self) -> None:
+        if self.failure is not None:
+            # a copy may still be running: keep the connector and its memory, wait for nothing
+            KEEP_ALIVE.append(self)
+            return
         self.worker.shutdown()
         if self.scheduler is not None:
             self.scheduler.shutdown()
+
+
+class _LayerHooks:
+    """The per-layer worker hooks, as the forward calls them (exceptions are fatal)."""
+
+    def __init__(self, manager: ConnectorManager):
+        self._manager = manager
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        self._manager._work("wait_for_layer_load", layer_idx)
+
+    def save_kv_layer(self, layer_idx: int) -> None:
+        self._manager._work("save_kv_layer", layer_idx)

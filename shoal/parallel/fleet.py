@@ -13,6 +13,7 @@ import itertools
 import multiprocessing as mp
 import random
 import socket
+import time
 from dataclasses import replace
 from multiprocessing.connection import wait
 
@@ -25,6 +26,7 @@ from shoal.sampling import SamplingParams
 
 READY_TIMEOUT_SECONDS = 600.0  # model loading on every rank
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
+FATAL_REPORT_SECONDS = 30.0  # how long the front waits for every rank's failure report
 POLL_SECONDS = 0.5
 
 
@@ -131,6 +133,8 @@ class Fleet:
             # every rank samples the same token only from the same seed
             sampling = replace(sampling, seed=random.getrandbits(62))
         rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._pending:
+            raise ValueError(f"request_id {rid!r} is already in use")
         req = Request(rid, list(prompt_token_ids), sampling, frozenset(), cache_salt=cache_salt,
                       prompt=prompt)
         self._pending[rid] = req
@@ -141,8 +145,18 @@ class Fleet:
                                        request_id=rid, cache_salt=cache_salt)))
         return req
 
+    def cancel(self, request_id: str) -> None:
+        """Ask the request's owner (TP: the driver, for every rank) to cancel it."""
+        owner = self._owner.get(request_id)
+        if owner is not None:
+            self._send(owner, ("cancel", request_id))
+
+    def live_requests(self) -> dict[str, Request]:
+        """Requests added and not yet returned, by id (output tokens arrive as generated)."""
+        return self._pending
+
     def step(self) -> list[Request]:
-        """Wait a little for finished requests from the driver."""
+        """Wait a little for tokens and finished requests from the ranks."""
         finished, self._finished_early = self._finished_early, []
         for kind, rank, payload in self._receive(0.0 if finished else POLL_SECONDS):
             if kind == "done":
@@ -174,8 +188,11 @@ class Fleet:
                     self._conns[rank].send(("shutdown", None))
             except OSError:
                 pass
+        # ranks drain pending saves first: each gets at most control_grace_sec
+        grace = 0.0 if self.config.kv_connector is None else self.config.kv_connector.control_grace_sec
+        end = time.monotonic() + grace + SHUTDOWN_TIMEOUT_SECONDS
         for proc in self._procs:
-            proc.join(SHUTDOWN_TIMEOUT_SECONDS)
+            proc.join(max(end - time.monotonic(), 0.1))
         for proc in self._procs:  # whatever did not stop by itself
             if proc.is_alive():
                 proc.kill()
@@ -212,7 +229,12 @@ class Fleet:
                 except EOFError:
                     break
         for kind, rank, payload in messages:
-            if kind == "error":
+            if kind == "tokens":
+                for rid, ids in payload.items():
+                    self._pending[rid].output_token_ids.extend(ids)
+            elif kind == "fatal":
+                self._fatal({rank: payload})
+            elif kind == "error":
                 self._fail(f"rank {rank} failed: {payload}")
         for i, proc in enumerate(self._procs):
             if not proc.is_alive():
@@ -238,3 +260,26 @@ class Fleet:
     def _fail(self, message: str) -> None:
         self.shutdown()
         raise FleetError(f"{message}; the fleet is stopped, a restart is required")
+
+    def _fatal(self, messages: dict[int, str]) -> None:
+        """A connector failure the ranks agreed on: each rank reports it and exits. Wait
+        (bounded) for every rank's word, then raise it (ConnectorError, rank_messages set)."""
+        from shoal.connectors.base import ConnectorError
+        deadline = time.monotonic() + FATAL_REPORT_SECONDS
+        while len(messages) < self.world_size and time.monotonic() < deadline:
+            live = [i for i, p in enumerate(self._procs) if p.is_alive() and i not in messages]
+            for i, conn in enumerate(self._conns):
+                while i not in messages and conn.poll():
+                    try:
+                        kind, rank, payload = conn.recv()
+                    except EOFError:
+                        break
+                    if kind == "fatal":
+                        messages[rank] = payload
+            if not live:
+                break
+            wait([self._procs[i].sentinel for i in live], POLL_SECONDS)
+        self.shutdown()
+        error = ConnectorError(messages[min(messages)])
+        error.rank_messages = messages
+        raise error

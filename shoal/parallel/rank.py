@@ -19,7 +19,6 @@ from shoal.parallel.comm import Comm, ParallelInfo
 from shoal.request import RequestStatus
 
 IDLE_WAIT_SECONDS = 0.02  # how long an idle driver waits for new requests per iteration
-CONTROL_FIELDS = 4  # [num_new_requests, shutdown, stats_requested, check_requested]
 
 
 def output_record(req) -> dict:
@@ -43,6 +42,15 @@ def apply_record(req, record: dict):
     return req
 
 
+def agree_on_failure(comm: Comm, votes: list[int], failure: str | None) -> None:
+    """After a control all-gather: if any rank voted a failure, a second round carries the
+    messages and every rank raises the same ConnectorError (the lowest failed rank's)."""
+    if any(votes):
+        from shoal.connectors.base import ConnectorError
+        messages = comm.all_gather_object(failure)
+        raise ConnectorError(next(m for m in messages if m))
+
+
 def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
               conn: Connection, mode: str = "tp") -> None:
     """Entry point of a spawned rank process."""
@@ -50,6 +58,7 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     comm = None
+    from shoal.connectors.base import ConnectorError
     try:
         import torch
 
@@ -67,6 +76,13 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
             conn.send(("ready", rank, engine.info))
             _serve_owner(rank, engine, fleet, conn)
         conn.send(("stopped", rank, None))
+    except ConnectorError as e:  # the same message on every rank: the fleet must restart
+        logging.getLogger(__name__).error("rank %d stops: %s", rank, e)
+        try:
+            conn.send(("fatal", rank, str(e)))
+        except OSError:
+            pass
+        os._exit(1)  # nothing is freed under a copy that may still run: the process ends
     except BaseException as e:  # report anything to the front, then die with an error
         detail = f"{type(e).__name__}: {e}"
         logging.getLogger(__name__).error("rank %d failed: %s\n%s", rank, detail,
@@ -83,10 +99,10 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
 
 def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
     num_loops = 0
-    outbox = _Outbox()
+    outbox, streamer = _Outbox(), _Streamer()
     while True:
         num_loops += 1
-        new, shutdown, want_stats, want_check = [], 0, 0, 0
+        new, cancels, shutdown, want_stats, want_check = [], [], 0, 0, 0
         if rank == 0:
             timeout = 0.0 if engine.has_work else IDLE_WAIT_SECONDS
             while conn.poll(timeout):
@@ -94,6 +110,8 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
                 timeout = 0.0
                 if kind == "add":
                     new.append(payload)
+                elif kind == "cancel":
+                    cancels.append(payload)
                 elif kind == "stats":
                     want_stats = 1
                 elif kind == "check":
@@ -101,11 +119,17 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
                 elif kind == "shutdown":
                     shutdown = 1
                     break
-        control = comm.all_gather_ints([len(new), shutdown, want_stats, want_check])[0]
-        if control[0]:
-            new = comm.broadcast_object(new if rank == 0 else None, src=0)
+        failure = engine.failure
+        rows = comm.all_gather_ints([len(new) + len(cancels), shutdown, want_stats, want_check,
+                                     int(failure is not None)])
+        agree_on_failure(comm, [r[4] for r in rows], failure)
+        control = rows[0]
+        if control[0]:  # arrivals and cancels reach every rank at the same step
+            new, cancels = comm.broadcast_object((new, cancels) if rank == 0 else None, src=0)
         for spec in new:
             engine.add_request(**spec)
+        for rid in cancels:
+            engine.cancel(rid)
         if control[2]:
             conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
                                        "control_broadcasts": comm.num_broadcasts,
@@ -113,12 +137,43 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
         if control[3]:
             conn.send(("checked", rank, _integrity_error(engine)))
         if control[1]:
-            engine.shutdown()
+            engine.shutdown()  # drains pending saves (every rank the same steps)
             return
         if engine.has_work:
-            finished = outbox.ready(engine.step())
-            if rank == 0 and finished:
-                conn.send(("done", rank, [output_record(r) for r in finished]))
+            finished = outbox.ready(_step(engine))
+            if rank == 0:
+                streamer.send(conn, rank, engine, finished)
+
+
+def _step(engine) -> list:
+    """engine.step(); a connector failure is kept for the next control vote (the ranks
+    stay in lockstep so that every rank can raise the same error)."""
+    from shoal.connectors.base import ConnectorError
+    try:
+        return engine.step()
+    except ConnectorError:
+        return []
+
+
+class _Streamer:
+    """Sends the front new tokens of live requests after each step, and finished ones."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, int] = {}  # rid -> tokens sent
+
+    def send(self, conn: Connection, rank: int, engine, finished: list) -> None:
+        new = {}
+        for rid, req in engine.live_requests().items():
+            n = self._sent.get(rid, 0)
+            if len(req.output_token_ids) > n:
+                new[rid] = req.output_token_ids[n:]
+                self._sent[rid] = len(req.output_token_ids)
+        if new:
+            conn.send(("tokens", rank, new))
+        if finished:
+            for r in finished:
+                self._sent.pop(r.request_id, None)
+            conn.send(("done", rank, [output_record(r) for r in finished]))
 
 
 def _integrity_error(engine) -> str | None:
@@ -154,10 +209,13 @@ class _FleetState:
         self.stop = False  # some owner was asked to stop: all stop after this step
         self.pending_transfers: list[int] = []  # per owner, at the last step
 
-    def sync(self, num_tokens: int, has_work: bool, num_pending: int) -> list[int]:
-        """[num_tokens, has_work, shutdown, pending transfers] of every owner, in one gather."""
+    def sync(self, num_tokens: int, has_work: bool, num_pending: int,
+             failure: str | None = None) -> list[int]:
+        """[num_tokens, has_work, shutdown, pending transfers, failed] of every owner, in one
+        gather; a failure anywhere is raised on every owner (agree_on_failure)."""
         rows = self.comm.all_gather_ints([num_tokens, int(has_work), self.want_shutdown,
-                                          num_pending])
+                                          num_pending, int(failure is not None)])
+        agree_on_failure(self.comm, [r[4] for r in rows], failure)
         self.any_work = any(r[1] for r in rows)  # pending transfers count as work
         self.stop = any(r[2] for r in rows)
         self.pending_transfers = [r[3] for r in rows]
@@ -168,7 +226,7 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
     """ADP: this owner's own requests; every owner steps every iteration (the step's
     all-gather decides whether anyone computes; an owner with nothing joins with padding)."""
     num_loops = 0
-    outbox = _Outbox()
+    outbox, streamer = _Outbox(), _Streamer()
     while True:
         num_loops += 1
         timeout = 0.0 if fleet.any_work else IDLE_WAIT_SECONDS
@@ -177,6 +235,8 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
             timeout = 0.0
             if kind == "add":
                 engine.add_request(**payload)
+            elif kind == "cancel":
+                engine.cancel(payload)
             elif kind == "stats":
                 conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
                                            "data_collectives": engine.comm.num_data_collectives}))
@@ -184,10 +244,13 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
                 conn.send(("checked", rank, _integrity_error(engine)))
             elif kind == "shutdown":
                 fleet.want_shutdown = 1
-        finished = outbox.ready(engine.step())
-        if finished:
-            conn.send(("done", rank, [output_record(r) for r in finished]))
+        streamer.send(conn, rank, engine, outbox.ready(engine.step()))
         if fleet.stop:
+            # drain: every owner cancels what it has and steps until no owner has pending
+            # transfers (the steps' all-gathers keep them together), then stops
+            engine.begin_drain()
+            while fleet.any_work:
+                streamer.send(conn, rank, engine, outbox.ready(engine.step()))
             engine.shutdown()
             return
 

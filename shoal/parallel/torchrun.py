@@ -26,7 +26,8 @@ def run_requests(config: EngineConfig, requests: list[dict]):
     """Run `requests` (add_request kwargs) across the torchrun ranks; returns (finished
     requests in the order given, stats) on rank 0 and (None, stats) elsewhere."""
     from shoal.engine import Engine
-    from shoal.parallel.rank import _FleetState, apply_record, join_group, output_record
+    from shoal.parallel.rank import (_FleetState, _step, agree_on_failure, apply_record,
+                                     join_group, output_record)
     from shoal.request import Request
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -41,8 +42,13 @@ def run_requests(config: EngineConfig, requests: list[dict]):
         if mode == "tp":
             engine = Engine(config, info, comm)
             reqs = [engine.add_request(**r) for r in requests]
-            while any(flag for (flag,) in comm.all_gather_ints([int(engine.has_work)])):
-                engine.step()
+            while True:  # one control all-gather per step: anyone working? anyone failed?
+                failure = engine.failure
+                rows = comm.all_gather_ints([int(engine.has_work), int(failure is not None)])
+                agree_on_failure(comm, [r[1] for r in rows], failure)
+                if not any(r[0] for r in rows):
+                    break
+                _step(engine)
         else:
             fleet = _FleetState(comm)
             engine = Engine(config, info, comm, fleet_sync=fleet.sync)

@@ -14,9 +14,11 @@ recomputes.
 
 from __future__ import annotations
 
+import math
+import time
+
 from shoal.block_pool import BlockPool
-from shoal.connectors.base import (ConnectorConfig, ConnectorContext, ConnectorError,
-                                   KVCacheRegistration)
+from shoal.connectors.base import ConnectorConfig, ConnectorContext, KVCacheRegistration
 from shoal.connectors.manager import ConnectorManager, TransferReport
 from shoal.parallel.comm import Comm
 
@@ -33,41 +35,39 @@ class TpConnectorManager(ConnectorManager):
         self._failed: dict[str, int] = {}  # ... of which failed, from this block index on
 
     def _ask(self, hook: str, *args):
-        answer = None
-        if self.scheduler is not None:
-            try:
-                answer = ("ok", super()._ask(hook, *args))
-            except Exception as e:  # every rank must learn it, or the others wait forever
-                answer = ("error", f"{type(e).__name__}: {e}")
-        kind, value = self.comm.broadcast_object(answer, src=0)
-        if kind == "error":
-            raise ConnectorError(f"the connector's scheduler side (rank 0) failed in {hook}: "
-                                 f"{value}")
+        """Rank 0 asks (a failure there becomes every rank's failure); all get its answer."""
+        answer = (super()._ask(hook, *args), self.failure) if self.scheduler is not None else None
+        value, failure = self.comm.broadcast_object(answer, src=0)
+        if failure is not None and self.failure is None:
+            self.failure = failure
         return value
 
-    def end_step(self, save_epochs: dict[str, int], loading_ids: list[str]) -> TransferReport:
-        self.worker.wait_for_save()
-        self.worker.clear_connector_meta()
+    def _poll(self, save_epochs: dict[str, int], loading_ids: list[str],
+              deadlines: dict[str, float]) -> tuple[TransferReport, list[str]]:
+        """Every rank's poll, agreed: done where all are done, expired where any expired."""
         ask_save = [rid for rid, epoch in save_epochs.items() if self._saved.get(rid) != epoch]
         ask_load = [rid for rid in loading_ids if rid not in self._loaded]
-        saved, loaded = self.worker.get_finished(ask_save, ask_load)
+        answer = self._work("get_finished", ask_save, ask_load)
+        saved, loaded = answer if answer is not None else ((), ())
         for rid in saved:
             self._saved[rid] = save_epochs[rid]
         self._loaded.update(loaded)
-        self._failed.update(self.worker.get_failed_loads())
-        save_ids = list(save_epochs)
+        self._failed.update(self._work("get_failed_loads") or {})
+        save_ids, pending = list(save_epochs), [*save_epochs, *loading_ids]
+        now = time.monotonic()
         flags = ([int(self._saved.get(rid) == save_epochs[rid]) for rid in save_ids]
                  + [int(rid in self._loaded) for rid in loading_ids]
-                 + [self._failed.get(rid, NO_FAILURE) for rid in loading_ids])
+                 + [self._failed.get(rid, NO_FAILURE) for rid in loading_ids]
+                 + [int(deadlines.get(rid, math.inf) >= now) for rid in pending])
         if not flags:  # the same on every rank: nothing pending, nothing to agree on
-            return TransferReport()
+            return TransferReport(), []
         agreed = self.comm.all_reduce_min_ints(flags)
+        n, m = len(save_ids), len(loading_ids)
         report = TransferReport()
         for rid, done in zip(save_ids, agreed):
             if done:
                 report.finished_saving.add(rid)
                 del self._saved[rid]
-        n, m = len(save_ids), len(loading_ids)
         for i, rid in enumerate(loading_ids):
             if agreed[n + i]:
                 report.finished_loading.add(rid)
@@ -75,4 +75,7 @@ class TpConnectorManager(ConnectorManager):
                 self._failed.pop(rid, None)
                 if agreed[n + m + i] != NO_FAILURE:
                     report.failed_loads[rid] = agreed[n + m + i]
-        return report
+        live = agreed[n + 2 * m:]
+        expired = [rid for rid, ok in zip(pending, live) if not ok
+                   and rid not in report.finished_saving and rid not in report.finished_loading]
+        return report, list(dict.fromkeys(expired))
