@@ -211,7 +211,10 @@ class Engine:
             self.connector.shorten_all_deadlines()
 
     def drain(self) -> list[Request]:
-        """begin_drain, then step until nothing is pending. Returns the requests that ended."""
+        """begin_drain, then step until nothing is pending. Returns the requests that ended
+        (none after a fatal failure: nothing is waited for then)."""
+        if self.failure is not None:
+            return []
         self.begin_drain()
         ended = []
         while self.has_work:

@@ -61,9 +61,9 @@ class Executor:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
 
-    def cancel(self, req: Request) -> None:
-        """End `req` as cancelled (at once, or once its pending transfer drains)."""
-        self.scheduler.cancel(req, defer_free=self._inflight is not None)
+    def cancel(self, req: Request) -> bool:
+        """End `req` as cancelled; True if it ended now (else once its pending load drains)."""
+        return self.scheduler.cancel(req, defer_free=self._inflight is not None)
 
     def step(self) -> StepResult:
         self.num_iterations += 1

@@ -183,6 +183,11 @@ class Scheduler:
     def finish(self, req: Request, reason: str, error: str | None = None,
                defer_free: bool = False) -> None:
         """End a request: out of the queues, blocks released (now or at the next update)."""
+        if self.connector is not None and self.connector.is_loading(req.request_id):
+            # never free blocks a load may still write (its end comes through apply_transfers)
+            self.connector.fail("refused to free the blocks of a request whose load is still "
+                                "pending", req.request_id)
+            return
         req.finish_reason, req.error = reason, error
         req.metrics.finish_time = time.perf_counter()
         if req.status == RequestStatus.RUNNING:
@@ -277,11 +282,6 @@ class Scheduler:
         return ended
 
     def _release(self, req: Request, defer_free: bool) -> None:
-        if self.connector is not None and self.connector.is_loading(req.request_id):
-            # never free blocks a copy may still write: refused, and fatal
-            self.connector.fail("refused to free the blocks of a request whose load is still "
-                                "pending", req.request_id)
-            return
         if req.block_ids and defer_free:
             self._deferred_free.append(req)
         elif req.block_ids:

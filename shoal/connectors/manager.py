@@ -85,6 +85,7 @@ class ConnectorManager:
         self._pending_new: list[Request] = []  # admitted for a load this step (0 tokens)
         self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
         self.failure: str | None = None  # the first fatal failure: the engine must stop
+        self._aborted: set[str] = set()  # aborted; the scheduler may not know yet (overlap)
         self.layer_hooks = _LayerHooks(self)  # what the forward calls per layer
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
@@ -289,6 +290,10 @@ class ConnectorManager:
         self._work("wait_for_save")
         self._work("clear_connector_meta")
         report, expired = self._poll(save_epochs, loading_ids, deadlines)
+        # the overlap loop launches a step before the last one's report is applied: a
+        # transfer aborted there may still be listed as pending once
+        self._aborted.intersection_update((*save_epochs, *loading_ids))
+        expired = [rid for rid in expired if rid not in self._aborted]
         if expired:
             self.num_deadline_expiries += len(expired)
             what = (f"a pending transfer passed its deadline (transfer_timeout_sec="
@@ -301,6 +306,7 @@ class ConnectorManager:
                 if self.failure is None:
                     log.warning("%s: aborted %s", what, expired)
                     self.num_aborted += len(expired)
+                    self._aborted.update(expired)
                     report.aborted.update(expired)
         return report
 

@@ -151,6 +151,16 @@ class Fleet:
         if owner is not None:
             self._send(owner, ("cancel", request_id))
 
+    def drain(self) -> list[Request]:
+        """Cancel every unfinished request and wait until each came back (the owners wait
+        for its pending transfers, each within control_grace_sec). Returns them."""
+        for rid in list(self._pending):
+            self.cancel(rid)
+        ended = []
+        while self._pending:
+            ended += self.step()
+        return ended
+
     def live_requests(self) -> dict[str, Request]:
         """Requests added and not yet returned, by id (output tokens arrive as generated)."""
         return self._pending
@@ -228,12 +238,13 @@ class Fleet:
                     messages.append(obj.recv())
                 except EOFError:
                     break
+        fatal = {rank: payload for kind, rank, payload in messages if kind == "fatal"}
+        if fatal:
+            self._fatal(fatal)
         for kind, rank, payload in messages:
             if kind == "tokens":
                 for rid, ids in payload.items():
                     self._pending[rid].output_token_ids.extend(ids)
-            elif kind == "fatal":
-                self._fatal({rank: payload})
             elif kind == "error":
                 self._fail(f"rank {rank} failed: {payload}")
         for i, proc in enumerate(self._procs):
