@@ -5,7 +5,7 @@
         "rank": r,                 # ... only on this rank (default: every rank)
         "after": n,                # ... after n calls of it went through (default 0)
         "load_polls": n | -1,      # loads start only after n completion polls (-1: never)
-        "save_polls": n | -1,      # the same for saves
+        "save_polls": n | -1,      # the same for saves ("rank" limits these too)
     }
 
 A held transfer has not started: it moves nothing until released, so `abort` can drop it
@@ -37,8 +37,14 @@ class _Faults:
         self.rank = rank
         self.calls: dict[str, int] = {}
 
+    def here(self) -> bool:
+        return self.fault.get("rank", self.rank) == self.rank
+
+    def holds(self, kind: str) -> bool:
+        return self.fault.get(f"{kind}_polls") is not None and self.here()
+
     def hook(self, name: str) -> None:
-        if self.fault.get("raise_in") != name or self.fault.get("rank", self.rank) != self.rank:
+        if self.fault.get("raise_in") != name or not self.here():
             return
         n = self.calls[name] = self.calls.get(name, 0) + 1
         if n > self.fault.get("after", 0):
@@ -90,7 +96,7 @@ class FaultWorker(FsPoolWorker):
     def start_load_kv(self):
         self.faults.hook("start_load_kv")
         meta = self.get_connector_meta()
-        if meta is not None and meta.loads and self.faults.fault.get("load_polls") is not None:
+        if meta is not None and meta.loads and self.faults.holds("load"):
             self._hold("load", meta.loads)
             meta = FsPoolMeta(loads=[], saves=meta.saves)
             self.bind_connector_meta(meta)
@@ -105,7 +111,7 @@ class FaultWorker(FsPoolWorker):
     def wait_for_save(self):
         self.faults.hook("wait_for_save")
         meta = self.get_connector_meta()
-        if meta is not None and meta.saves and self.faults.fault.get("save_polls") is not None:
+        if meta is not None and meta.saves and self.faults.holds("save"):
             self._hold("save", meta.saves)
             self.bind_connector_meta(FsPoolMeta(loads=meta.loads, saves=[]))
         super().wait_for_save()

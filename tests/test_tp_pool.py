@@ -111,3 +111,41 @@ def test_transfer_finishes_only_when_every_rank_reports(model, prompts, overlap)
     assert [first, [o.token_ids for o in outs]] == expected
     assert all(o.num_connector_tokens >= 40 for o in outs)
     assert per_rank[0]["connector_tokens_loaded"] == per_rank[1]["connector_tokens_loaded"] >= 120
+
+
+# -- the failure policy under TP (the one-rank and ADP matrix: tests/test_failure_policy.py) --
+
+def fault_cfg(root, fault, timeout=600.0):
+    return ConnectorConfig(module="tests.fault_connector", scheduler_class="FaultScheduler",
+                           worker_class="FaultWorker", options={"root": str(root), "fault": fault},
+                           transfer_timeout_sec=timeout, control_grace_sec=0.5)
+
+
+@pytest.mark.parametrize("hook, rank", [("build_connector_meta", 0), ("get_finished", 1)])
+def test_tp_connector_failure_stops_every_rank_alike(model, prompts, tmp_path, hook, rank):
+    from shoal.connectors import ConnectorError
+    llm = LLM(model, tp_size=TP, kv_connector=fault_cfg(tmp_path, {"raise_in": hook,
+                                                                   "rank": rank}), **KW)
+    with pytest.raises(ConnectorError, match=f"{hook} raised InjectedFault") as info:
+        llm.generate(prompts, SP)
+    assert f"rank {rank}" in str(info.value) and "must be restarted" in str(info.value)
+    assert sorted(info.value.rank_messages) == [0, 1]
+    assert len(set(info.value.rank_messages.values())) == 1
+    llm.shutdown()
+
+
+def test_tp_load_stalled_on_one_rank_is_aborted_on_all(model, prompts, expected, tmp_path):
+    run_tp(model, tmp_path, prompts[:1])  # the pool holds prompt 0's blocks
+    cfg = fault_cfg(tmp_path, {"load_polls": -1, "rank": 1}, timeout=1.5)
+    with LLM(model, tp_size=TP, kv_connector=cfg, **KW) as llm:
+        out = llm.generate(prompts[:1], SP)[0]  # rank 0 loads; rank 1 never does
+        assert out.finish_reason == "error" and "aborted" in out.error
+        llm.check_integrity()
+        h = llm.submit(prompts[1][-9:], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        next(h.stream())
+        h.cancel()  # the engine goes on, and a cancel reaches every rank
+        assert h.result(timeout=60).finish_reason == "cancelled"
+        llm.check_integrity()
+        per_rank = llm.stats()["per_rank"]
+    assert [s["transfers_aborted"] for s in per_rank] == [1, 1]  # agreed: both aborted
+    assert [s["cancellations"] for s in per_rank] == [1, 1]

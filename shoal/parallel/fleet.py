@@ -153,7 +153,10 @@ class Fleet:
 
     def drain(self) -> list[Request]:
         """Cancel every unfinished request and wait until each came back (the owners wait
-        for its pending transfers, each within control_grace_sec). Returns them."""
+        for its pending transfers, each within control_grace_sec). Returns them (none once
+        the fleet is stopped)."""
+        if self._closed:
+            return []
         for rid in list(self._pending):
             self.cancel(rid)
         ended = []
@@ -236,7 +239,7 @@ class Fleet:
             while obj.poll():
                 try:
                     messages.append(obj.recv())
-                except EOFError:
+                except (EOFError, OSError):  # the rank is gone; its sentinel says so below
                     break
         fatal = {rank: payload for kind, rank, payload in messages if kind == "fatal"}
         if fatal:
@@ -244,7 +247,8 @@ class Fleet:
         for kind, rank, payload in messages:
             if kind == "tokens":
                 for rid, ids in payload.items():
-                    self._pending[rid].output_token_ids.extend(ids)
+                    if rid in self._pending:
+                        self._pending[rid].output_token_ids.extend(ids)
             elif kind == "error":
                 self._fail(f"rank {rank} failed: {payload}")
         for i, proc in enumerate(self._procs):
@@ -283,7 +287,7 @@ class Fleet:
                 while i not in messages and conn.poll():
                     try:
                         kind, rank, payload = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):
                         break
                     if kind == "fatal":
                         messages[rank] = payload

@@ -9,7 +9,9 @@ each block (pool keys include the shard). A transfer is finished only when every
 worker has reported it: the ranks agree on each poll with one element-wise-minimum
 all-reduce (issued on the executing thread, only while transfers are pending), and a
 failed load counts from the first bad block on any rank, so no rank loads what another
-recomputes.
+recomputes. Deadlines are agreed the same way: a transfer expired on any rank is aborted
+(or fatal) on all. A failure in rank 0's scheduler side travels with its broadcast answer
+and becomes every rank's failure; a worker's failure is voted at the next control step.
 """
 
 from __future__ import annotations
