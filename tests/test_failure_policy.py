@@ -68,19 +68,23 @@ def results(handles, bound=BOUND):
 # -- normal outcomes -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dp, overlap", MODES)
-def test_transfers_finishing_late_change_nothing(tiny_model, prompts, expected, warm_pool,
-                                                  tmp_path, dp, overlap):
-    cold = tmp_path / "cold"
-    for root in (warm_pool, cold):  # loads from the warm pool; saves into the cold one
-        cfg = faulty(root, {"load_polls": 4, "save_polls": 4}, timeout=600)
-        with make_llm(tiny_model, cfg, dp, overlap) as llm:
-            outs = results([llm.submit(p, SP) for p in prompts])
-            llm.check_integrity()
-            stats = llm.stats()
-        assert [o.token_ids for o in outs] == expected
-        assert [o.finish_reason for o in outs] == ["length", "length"]
-        assert stats["deadline_expiries"] == 0
-    assert len(list(pf.iter_block_files(cold))) > 0  # the late saves landed before the end
+def test_transfers_finishing_late_change_nothing(tiny_model, prompts, warm_pool, dp, overlap):
+    # the shared 40-token prefix loads from the pool; the new tails' blocks are saved
+    tails = [prompts[0][:40] + t for t in random_prompts(512, [13, 21], seed=9)]
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate(tails, SP)]
+    before = len(list(pf.iter_block_files(warm_pool)))
+    cfg = faulty(warm_pool, {"load_polls": 4, "save_polls": 4}, timeout=600)
+    with make_llm(tiny_model, cfg, dp, overlap) as llm:
+        outs = results([llm.submit(p, SP) for p in tails])
+        llm.check_integrity()
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert all(o.num_connector_tokens == 40 for o in outs)
+    assert stats["deadline_expiries"] == 0
+    # the late saves landed before the engine stopped: 3 + 5 new full blocks
+    assert len(list(pf.iter_block_files(warm_pool))) == before + 8
 
 
 # -- fatal: hook exceptions, expired deadlines without abort --------------------------------
