@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_bench("throughput", "tokens/s vs transformers generate, and prefix-hit TTFT",
                 num_prompts=16, max_tokens=128)
     model_bench("ttft", "TTFT of a long prefix from the pool vs recomputed (--dp 2: two "
-                "owners sharing the pool)", prefix_tokens=2048, rounds=2, dp=1)
+                "owners sharing the pool; --tp 3: every engine a TP fleet)",
+                prefix_tokens=2048, rounds=2, dp=1, tp=1)
     model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
                 num_prompts=16, max_tokens=64)
     io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads")

@@ -13,7 +13,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from shoal.bench.ttft import run_ttft, run_ttft_dp
         if args.dp > 1:
             return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device)
-        return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device)
+        return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp)
     if args.bench == "pool-io":
         from shoal.bench.pool_io import run_pool_io
         return run_pool_io(args.num_blocks, args.threads, args.rounds)

@@ -19,21 +19,23 @@ def _prompt(llm: LLM, num_tokens: int) -> list[int]:
     return ids + llm.tokenizer.encode(" Question: what must the tenant do?")[:16]
 
 
-def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str) -> int:
+def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int = 1) -> int:
+    """tp > 1: every engine is a TP fleet (each rank saves and loads its shard)."""
+    kw = dict(device=device, tp_size=tp)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-ttft-") as pool:
         recomputed, loaded, loaded_tokens = [], [], []
-        with LLM(model, kv_pool=pool, device=device) as llm:  # computes and saves
+        with LLM(model, kv_pool=pool, **kw) as llm:  # computes and saves
             prompt = _prompt(llm, prefix_tokens)
             recomputed.append(llm.generate([prompt], ONE)[0].metrics.ttft_s)
         for _ in range(rounds):
-            with LLM(model, kv_pool=pool, device=device) as llm:  # fresh engine, pool hit
+            with LLM(model, kv_pool=pool, **kw) as llm:  # fresh engine, pool hit
                 out = llm.generate([prompt], ONE)[0]
                 loaded.append(out.metrics.ttft_s)
                 loaded_tokens.append(out.num_connector_tokens)
-            with LLM(model, device=device) as llm:  # fresh engine, no pool: recompute
+            with LLM(model, **kw) as llm:  # fresh engine, no pool: recompute
                 recomputed.append(llm.generate([prompt], ONE)[0].metrics.ttft_s)
     result = {
-        "bench": "ttft", "model": model, "device": device, "prompt_tokens": len(prompt),
+        "bench": "ttft", "model": model, "device": device, "tp": tp, "prompt_tokens": len(prompt),
         "rounds": rounds, "tokens_loaded": loaded_tokens[0],
         "ttft_recomputed_s": statistics.median(recomputed),
         "ttft_pool_s": statistics.median(loaded),
@@ -41,7 +43,8 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str) -> int:
         "all_recomputed_s": [round(x, 4) for x in recomputed],
         "all_pool_s": [round(x, 4) for x in loaded],
     }
-    print(f"{len(prompt)}-token prompt, fresh engines, median of {rounds} rounds")
+    print(f"{len(prompt)}-token prompt, fresh engines{f' (tp={tp})' if tp > 1 else ''}, "
+          f"median of {rounds} rounds")
     print(f"  TTFT recomputed          {result['ttft_recomputed_s']:8.3f} s")
     print(f"  TTFT from the pool       {result['ttft_pool_s']:8.3f} s  "
           f"({loaded_tokens[0]} tokens loaded)")
