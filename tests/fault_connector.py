@@ -134,8 +134,8 @@ class FaultWorker(FsPoolWorker):
         table[t.request_id].remove(placeholder)
         if kind == "load":
             fut = self._io.submit(self._load_blocks, [t])
-        else:
-            fut = self._io.submit(self._save_block, t, self.kv[t.block_id])
+        else:  # the late copy out of the KV (to the host first, as wait_for_save does)
+            fut = self._io.submit(self._save_block, t, self.kv[t.block_id].to("cpu"))
         table[t.request_id].append(fut)
 
     def abort(self, request_ids):

@@ -64,3 +64,31 @@ def test_fs_pool_round_trip_on_cuda(tiny_models, tmp_path, load_mode):
     assert [o.token_ids for o in runs[0]] == expected
     assert [o.token_ids for o in runs[1]] == expected
     assert [o.num_connector_tokens for o in runs[1]] == [44, 28, 8]
+
+
+def test_late_and_stalled_transfers_on_cuda(tiny_models, tmp_path):
+    """The failure policy's paths on GPU blocks: late loads and saves (pinned staging) give
+    the no-pool tokens; a load stalled past its deadline is aborted, that request errs."""
+    from shoal.connectors import ConnectorConfig
+
+    path = str(tiny_models["mha_untied"])
+    prompts = random_prompts(512, [45, 30])
+    kw = dict(device="cuda", block_size=4, num_kv_blocks=128)
+    sp = SamplingParams(max_tokens=8)
+    with LLM(path, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+
+    def cfg(fault, timeout=600.0):
+        return ConnectorConfig(module="tests.fault_connector", scheduler_class="FaultScheduler",
+                               worker_class="FaultWorker",
+                               options={"root": str(tmp_path), "fault": fault},
+                               transfer_timeout_sec=timeout, control_grace_sec=0.5)
+    for _ in ("producer", "consumer"):
+        with LLM(path, kv_connector=cfg({"load_polls": 3, "save_polls": 3}), **kw) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
+            llm.check_integrity()
+    with LLM(path, kv_connector=cfg({"load_polls": -1}, timeout=1.0), **kw) as llm:
+        outs = llm.generate(prompts, sp)
+        llm.check_integrity()
+    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert all("aborted" in o.error for o in outs)

@@ -382,4 +382,12 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def _all_done(futures) -> bool:
-    return all(f.done() for f in futures)
+    """All finished; an I/O task that raised (not a handled miss or write failure: a bug or
+    a broken buffer) raises here, in the poll, which makes it the engine's fatal failure."""
+    if not all(f.done() for f in futures):
+        return False
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise RuntimeError(f"pool I/O failed: {type(f.exception()).__name__}: "
+                               f"{f.exception()}") from f.exception()
+    return True
