@@ -88,7 +88,7 @@ class Driver:
         self._ops.put((fn, fut))
         self._wake.set()
         if self._error is not None:  # the driver failed meanwhile: nobody runs it
-            self._run_ops_failing(self._error)
+            self._run_ops(self._error)
         return fut
 
     def submit(self, adds: list[Callable]) -> list[RequestHandle]:
@@ -147,13 +147,17 @@ class Driver:
                 return
             self._publish(finished)
 
-    def _run_ops(self) -> None:
+    def _run_ops(self, error: BaseException | None = None) -> None:
+        """Run the queued operations (or, once the engine failed, fail them with `error`)."""
         while True:
             try:
                 fn, fut = self._ops.get_nowait()
             except queue.Empty:
                 return
             if not fut.set_running_or_notify_cancel():
+                continue
+            if error is not None:
+                fut.set_exception(error)
                 continue
             try:
                 fut.set_result(fn(self.engine))
@@ -195,16 +199,7 @@ class Driver:
         for handle, _ in entries:
             handle._tokens.put(_END)
             handle._future.set_exception(error)
-        self._run_ops_failing(error)
-
-    def _run_ops_failing(self, error: BaseException) -> None:
-        while True:
-            try:
-                _, fut = self._ops.get_nowait()
-            except queue.Empty:
-                return
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
+        self._run_ops(error)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -211,15 +211,14 @@ class Scheduler:
         if req.is_finished or req.request_id in self._cancelling:
             return False
         self.num_cancellations += 1
-        if self.connector is not None:
-            self.connector.shorten_deadline(req.request_id)
-        if req.status == RequestStatus.WAITING_FOR_LOAD:
+        loading = req.status == RequestStatus.WAITING_FOR_LOAD
+        if loading:
             self._cancelling.add(req.request_id)
-            return False
-        self.finish(req, "cancelled", defer_free=defer_free)
-        if self.connector is not None:
-            self.connector.shorten_deadline(req.request_id)  # a save pending from now on
-        return True
+        else:
+            self.finish(req, "cancelled", defer_free=defer_free)
+        if self.connector is not None:  # the load, or the saves pending now (incl. pinned)
+            self.connector.shorten_deadline(req.request_id)
+        return not loading
 
     def apply_transfers(self, batch: ScheduledBatch, report: TransferReport,
                         defer_free: bool) -> list[Request]:
@@ -270,8 +269,7 @@ class Scheduler:
                             None if cancelled else "the KV load did not finish within its "
                             "deadline and was aborted", defer_free)
                 ended.append(req)
-            if self.connector.has_pending_saves and rid in self.connector.pending_saves():
-                self.connector.save_aborted(rid)
+            if self.connector.save_aborted(rid):
                 req = self.saving.pop(rid, None)
                 if req is not None:  # its tokens stand; the save is what failed
                     if req.finish_reason != "cancelled":

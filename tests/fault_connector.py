@@ -51,13 +51,17 @@ class _Faults:
             raise InjectedFault(f"injected fault in {name}")
 
 
-class FaultScheduler(FsPoolScheduler):
-    supports_attention_dp = True
+class _Faulty:
+    """Takes options["fault"] out of the config before the fs class sees it."""
 
     def __init__(self, config, ctx):
         config, fault = _split(config)
         super().__init__(config, ctx)
         self.faults = _Faults(fault, ctx.rank)
+
+
+class FaultScheduler(_Faulty, FsPoolScheduler):
+    supports_attention_dp = True
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.faults.hook("get_num_new_matched_tokens")
@@ -76,13 +80,11 @@ class FaultScheduler(FsPoolScheduler):
         return super().request_finished(request, block_ids)
 
 
-class FaultWorker(FsPoolWorker):
+class FaultWorker(_Faulty, FsPoolWorker):
     supports_attention_dp = True
 
     def __init__(self, config, ctx):
-        config, fault = _split(config)
         super().__init__(config, ctx)
-        self.faults = _Faults(fault, ctx.rank)
         self._held: list[list] = []  # [polls_left, kind, transfer, placeholder future]
 
     def _hold(self, kind: str, transfers) -> None:

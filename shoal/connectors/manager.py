@@ -231,16 +231,16 @@ class ConnectorManager:
         are released; the caller releases a finished request's own blocks)."""
         if self._save_epochs.get(request_id) != epoch:
             return False
-        del self._save_epochs[request_id]
+        return self.save_aborted(request_id)
+
+    def save_aborted(self, request_id: str) -> bool:
+        """The request's pending save episode ends (reported, or aborted by the worker:
+        nothing of it runs any more); its pins are released. False if none was pending."""
+        if self._save_epochs.pop(request_id, None) is None:
+            return False
         self.pool.free(self._pins.pop(request_id, []))
         self._end_deadline(request_id)
         return True
-
-    def save_aborted(self, request_id: str) -> None:
-        """The worker aborted the request's saves (nothing of them runs any more)."""
-        self._save_epochs.pop(request_id, None)
-        self.pool.free(self._pins.pop(request_id, []))
-        self._end_deadline(request_id)
 
     def load_aborted(self, request_id: str) -> None:
         self._load_plans.pop(request_id, None)

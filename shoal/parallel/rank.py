@@ -15,6 +15,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from shoal.config import EngineConfig
+from shoal.connectors.base import ConnectorError
 from shoal.parallel.comm import Comm, ParallelInfo
 from shoal.request import RequestStatus
 
@@ -46,7 +47,6 @@ def agree_on_failure(comm: Comm, votes: list[int], failure: str | None) -> None:
     """After a control all-gather: if any rank voted a failure, a second round carries the
     messages and every rank raises the same ConnectorError (the lowest failed rank's)."""
     if any(votes):
-        from shoal.connectors.base import ConnectorError
         messages = comm.all_gather_object(failure)
         raise ConnectorError(next(m for m in messages if m))
 
@@ -58,7 +58,6 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     comm = None
-    from shoal.connectors.base import ConnectorError
     try:
         import torch
 
@@ -148,7 +147,6 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
 def _step(engine) -> list:
     """engine.step(); a connector failure is kept for the next control vote (the ranks
     stay in lockstep so that every rank can raise the same error)."""
-    from shoal.connectors.base import ConnectorError
     try:
         return engine.step()
     except ConnectorError:
