@@ -109,6 +109,7 @@ class Fleet:
         self._pending: dict[str, Request] = {}
         self._router = Router(self.world_size, config.block_size)
         self._owner: dict[str, int] = {}  # rid -> owner rank (ADP)
+        self._arrivals: dict[int, list[dict]] = {}  # owner -> requests not yet sent
         self._finished_early: list[Request] = []  # arrived while collecting something else
         try:
             infos = self._collect("ready", READY_TIMEOUT_SECONDS)
@@ -141,8 +142,11 @@ class Fleet:
         # TP: the driver takes every request; ADP: the router picks one owner
         owner = 0 if self.mode == "tp" else self._router.assign(req.prompt_token_ids)
         self._owner[rid] = owner
-        self._send(owner, ("add", dict(prompt_token_ids=req.prompt_token_ids, sampling=sampling,
-                                       request_id=rid, cache_salt=cache_salt)))
+        # sent with the next step or message: requests added together reach their owner in
+        # one message, so they are admitted at one step (as on one rank)
+        self._arrivals.setdefault(owner, []).append(
+            dict(prompt_token_ids=req.prompt_token_ids, sampling=sampling, request_id=rid,
+                 cache_salt=cache_salt))
         return req
 
     def cancel(self, request_id: str) -> None:
@@ -170,6 +174,7 @@ class Fleet:
 
     def step(self) -> list[Request]:
         """Wait a little for tokens and finished requests from the ranks."""
+        self._send_arrivals()
         finished, self._finished_early = self._finished_early, []
         for kind, rank, payload in self._receive(0.0 if finished else POLL_SECONDS):
             if kind == "done":
@@ -223,10 +228,17 @@ class Fleet:
     def _send(self, rank: int, msg) -> None:
         if self._closed:
             raise RuntimeError("this fleet has been shut down")
+        if msg[0] != "add":
+            self._send_arrivals()  # a message after add_request sees the request there
         try:
             self._conns[rank].send(msg)
         except OSError as e:
             self._fail(f"rank {rank} is unreachable ({e})")
+
+    def _send_arrivals(self) -> None:
+        arrivals, self._arrivals = self._arrivals, {}
+        for owner, specs in arrivals.items():
+            self._send(owner, ("add", specs))
 
     def _receive(self, timeout: float) -> list[tuple[str, int, object]]:
         """Messages ready within `timeout`; raises FleetError if a rank died or failed."""

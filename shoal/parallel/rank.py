@@ -108,7 +108,7 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
                 kind, payload = conn.recv()
                 timeout = 0.0
                 if kind == "add":
-                    new.append(payload)
+                    new += payload
                 elif kind == "cancel":
                     cancels.append(payload)
                 elif kind == "stats":
@@ -232,7 +232,8 @@ def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> Non
             kind, payload = conn.recv()
             timeout = 0.0
             if kind == "add":
-                engine.add_request(**payload)
+                for spec in payload:
+                    engine.add_request(**spec)
             elif kind == "cancel":
                 engine.cancel(payload)
             elif kind == "stats":
