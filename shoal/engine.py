@@ -228,6 +228,6 @@ class Engine:
             self.drain()
         if self.failure is not None:
             KEEP_ALIVE.append(self.kv_cache)
-        self.executor.shutdown()
+        self.executor.shutdown(wait=self.failure is None)
         if self.connector is not None:
             self.connector.shutdown()

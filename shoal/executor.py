@@ -131,8 +131,10 @@ class Executor:
             self._forget_ids = []
         return finished
 
-    def shutdown(self) -> None:
-        while self._inflight is not None:
+    def shutdown(self, wait: bool = True) -> None:
+        """Finish the step in flight, then stop the forward thread; `wait=False` (after a
+        fatal connector failure) waits for neither: the step may be stuck in a hook."""
+        while wait and self._inflight is not None:
             self._overlap_step(None)
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            self._worker.shutdown(wait=wait)

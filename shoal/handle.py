@@ -6,6 +6,8 @@ queued operations (add, cancel, stats, ...) between steps, steps while there is 
 after each step hands new tokens to streams and finished requests to their handles. A
 handle is done once its request has ended and nothing of it is pending (a save of its
 blocks still running keeps it open, as `generate` returns only after its saves).
+If the driver is stuck in a connector hook that never returns, the connector's watchdog
+`abandon`s it: every handle and later call gets the ConnectorError, nothing waits for it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Driver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stopped = False
+        self._lock = threading.RLock()  # handles: the driver's, or abandon's from a watchdog
 
     def start(self) -> None:
         if self._thread is None:
@@ -113,6 +116,12 @@ class Driver:
         finally:
             self._thread.join()
 
+    def abandon(self, error: BaseException) -> None:
+        """The driver thread is stuck (in a connector hook): fail every handle and every
+        later call with `error` from here; stop() then waits for nothing."""
+        self._fail_all(error)
+        self._wake.set()
+
     def _last(self, engine) -> None:
         try:
             drain = getattr(engine, "drain", None)
@@ -127,7 +136,10 @@ class Driver:
 
     def _track(self, req: Request) -> RequestHandle:
         handle = RequestHandle(self, req.request_id)
-        self._handles[req.request_id] = (handle, req)
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            self._handles[req.request_id] = (handle, req)
         return handle
 
     def _loop(self) -> None:
@@ -165,6 +177,11 @@ class Driver:
                 fut.set_exception(e)
 
     def _publish(self, finished: list[Request]) -> None:
+        with self._lock:
+            if self._error is None:
+                self._publish_locked(finished)
+
+    def _publish_locked(self, finished: list[Request]) -> None:
         for rid, req in self.engine.live_requests().items():
             self._stream(rid, req)
         for req in finished:
@@ -191,11 +208,12 @@ class Driver:
             entry[0]._tokens.put(list(req.output_token_ids[n:]))
 
     def _fail_all(self, error: BaseException, keep_error: bool = False) -> None:
-        if not keep_error:
-            self._error = error
-        entries = [*self._handles.values(), *self._ended]
-        self._handles.clear()
-        self._ended = []
+        with self._lock:
+            if not keep_error and self._error is None:
+                self._error = error
+            entries = [*self._handles.values(), *self._ended]
+            self._handles.clear()
+            self._ended = []
         for handle, _ in entries:
             handle._tokens.put(_END)
             handle._future.set_exception(error)

@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from shoal.config import EngineConfig
-from shoal.connectors.base import ConnectorConfig
+from shoal.connectors.base import ConnectorConfig, ConnectorError
 from shoal.engine import Engine
 from shoal.handle import Driver, RequestHandle
 from shoal.request import Request, RequestOutput
@@ -51,6 +51,10 @@ class LLM:
             self._engine = Engine(self.config)
         self.tokenizer = self._engine.tokenizer
         self._driver = Driver(self._engine, self._output)
+        connector = getattr(self._engine, "connector", None)  # one rank: in this process
+        if connector is not None:  # a hook that never returns fails the handles, not hangs
+            driver = self._driver
+            connector.on_stuck = lambda message: driver.abandon(ConnectorError(message))
 
     @property
     def engine(self):

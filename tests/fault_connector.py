@@ -2,6 +2,7 @@
 
     options["fault"] = {
         "raise_in": hook name,     # raise InjectedFault from this hook (scheduler or worker)
+        "block_in": hook name,     # ... or block in it until RELEASE is set (never, in a rank)
         "rank": r,                 # ... only on this rank (default: every rank)
         "after": n,                # ... after n calls of it went through (default 0)
         "load_polls": n | -1,      # loads start only after n completion polls (-1: never)
@@ -15,6 +16,7 @@ A held transfer has not started: it moves nothing until released, so `abort` can
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -23,6 +25,9 @@ from shoal.connectors.fs_pool import FsPoolMeta, FsPoolScheduler, FsPoolWorker
 
 class InjectedFault(RuntimeError):
     pass
+
+
+RELEASE = threading.Event()  # lets a blocked hook return (a test's clean-up)
 
 
 def _split(config):
@@ -44,10 +49,14 @@ class _Faults:
         return self.fault.get(f"{kind}_polls") is not None and self.here()
 
     def hook(self, name: str) -> None:
-        if self.fault.get("raise_in") != name or not self.here():
+        if name not in (self.fault.get("raise_in"), self.fault.get("block_in")) or not self.here():
             return
         n = self.calls[name] = self.calls.get(name, 0) + 1
-        if n > self.fault.get("after", 0):
+        if n <= self.fault.get("after", 0):
+            return
+        if self.fault.get("block_in") == name:
+            RELEASE.wait()
+        else:
             raise InjectedFault(f"injected fault in {name}")
 
 

@@ -15,6 +15,7 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig, ConnectorError
 from shoal.connectors import pool_file as pf
+from tests import fault_connector
 from tests.conftest import random_prompts
 
 SP = SamplingParams(max_tokens=6)
@@ -132,6 +133,40 @@ def test_hook_exception_on_owner_1_stops_every_rank_alike(tiny_model, prompts, w
     error = assert_fatal(llm, lambda: llm.generate(prompts, SP), hook, "owner 1")  # 1 each
     assert sorted(error.rank_messages) == [0, 1]  # both ranks raised, the same message
     assert len(set(error.rank_messages.values())) == 1
+    llm.shutdown()
+
+
+@pytest.fixture
+def blocking_hooks():
+    """Hooks that block (fault "block_in") return once the test is over: on one rank they
+    hold a thread of this process."""
+    fault_connector.RELEASE.clear()
+    yield
+    fault_connector.RELEASE.set()
+
+
+@pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "wait_for_layer_load",
+                                  "get_finished"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hook_that_blocks_is_fatal_on_one_rank(tiny_model, prompts, warm_pool, blocking_hooks,
+                                               hook, overlap):
+    # the engine's thread never comes back from the hook: the watchdog fails the handles
+    llm = make_llm(tiny_model, faulty(warm_pool, {"block_in": hook}), 1, overlap)
+    start = time.monotonic()
+    assert_fatal(llm, lambda: results([llm.submit(p, SP) for p in prompts]), hook,
+                 "did not return within", "owner 0")
+    assert time.monotonic() - start >= TIMEOUT  # not before the limit
+    llm.shutdown()  # returns, though the engine's thread is still in the hook
+    assert not fault_connector.RELEASE.is_set()
+
+
+@pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "wait_for_layer_load"])
+def test_hook_that_blocks_on_owner_1_stops_the_fleet(tiny_model, prompts, warm_pool, hook):
+    # owner 1 ends itself (its peers wait for it in a collective) and says why
+    llm = make_llm(tiny_model, faulty(warm_pool, {"block_in": hook, "rank": 1}), 2, False)
+    error = assert_fatal(llm, lambda: results([llm.submit(p, SP) for p in prompts]), hook,
+                         "did not return within", "owner 1")
+    assert 1 in error.rank_messages
     llm.shutdown()
 
 

@@ -134,6 +134,19 @@ def test_tp_connector_failure_stops_every_rank_alike(model, prompts, tmp_path, h
     llm.shutdown()
 
 
+def test_tp_hook_that_blocks_on_rank_1_stops_the_fleet(model, prompts, tmp_path):
+    # rank 1 never comes back from its worker hook: its watchdog ends it, saying why
+    from shoal.connectors import ConnectorError
+    cfg = fault_cfg(tmp_path, {"block_in": "wait_for_save", "rank": 1}, timeout=1.5)
+    llm = LLM(model, tp_size=TP, kv_connector=cfg, **KW)
+    handles = [llm.submit(p, SP) for p in prompts]
+    with pytest.raises(ConnectorError, match="worker wait_for_save did not return within") as info:
+        [h.result(timeout=90) for h in handles]
+    assert "rank 1" in str(info.value) and "must be restarted" in str(info.value)
+    assert 1 in info.value.rank_messages
+    llm.shutdown()
+
+
 def test_tp_load_stalled_on_one_rank_is_aborted_on_all(model, prompts, expected, tmp_path):
     run_tp(model, tmp_path, prompts[:1])  # the pool holds prompt 0's blocks
     cfg = fault_cfg(tmp_path, {"load_polls": -1, "rank": 1}, timeout=1.5)

@@ -22,6 +22,9 @@ from any hook, a contract violation or an expired deadline (unless the worker su
 abort) is fatal: the manager records `failure`, asks the connector nothing more, keeps
 every block held, and the engine stops with that message (a fleet votes it to every rank).
 An abort-capable worker's expired transfer is aborted and becomes its request's error.
+A hook call that does not return within transfer_timeout_sec is fatal too: the watchdog
+(shoal.connectors.watchdog) records it and tells `on_stuck`, since the thread that would
+raise is the one stuck in the hook.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from shoal.block_pool import BlockPool
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    RequestData, RequestView, SchedulerOutput)
 from shoal.connectors.registry import resolve_connector
+from shoal.connectors.watchdog import HookWatchdog
 from shoal.request import Request
 
 log = logging.getLogger(__name__)
@@ -87,6 +91,10 @@ class ConnectorManager:
         self.failure: str | None = None  # the first fatal failure: the engine must stop
         self._aborted: set[str] = set()  # aborted; the scheduler may not know yet (overlap)
         self.layer_hooks = _LayerHooks(self)  # what the forward calls per layer
+        # told (from the watchdog's thread) when a hook call blocks: the engine's owner
+        # fails what waits on the stuck engine (LLM: its handles; a rank: the process)
+        self.on_stuck: Callable[[str], None] | None = None
+        self._watchdog = HookWatchdog(config.transfer_timeout_sec, self._hook_stuck)
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
         self.num_deadline_expiries = 0
@@ -107,12 +115,21 @@ class ConnectorManager:
         """Call a scheduler-side hook (TP: on rank 0, the answer broadcast to every rank)."""
         if self.failure is not None:
             return SAFE_ANSWERS[hook]
+        token = self._watchdog.enter(hook)
         try:
             return getattr(self.scheduler, hook)(*args)
         except Exception as e:
             rid = args[0].request_id if args and isinstance(args[0], RequestView) else None
             self.fail(f"{hook} raised {type(e).__name__}: {e}", rid)
             return SAFE_ANSWERS[hook]
+        finally:
+            self._watchdog.leave(token)
+
+    def _hook_stuck(self, hook: str) -> None:
+        self.fail(f"{hook} did not return within transfer_timeout_sec="
+                  f"{self.config.transfer_timeout_sec:g} (a connector hook must not block)")
+        if self.on_stuck is not None:
+            self.on_stuck(self.failure)
 
     def view(self, req: Request) -> RequestView:
         num_full = req.num_prompt_tokens // self.ctx.block_size
@@ -272,11 +289,14 @@ class ConnectorManager:
         """Call a worker hook; an exception is fatal, and a failed connector is not called."""
         if self.failure is not None:
             return None
+        token = self._watchdog.enter(f"worker {hook}")
         try:
             return getattr(self.worker, hook)(*args)
         except Exception as e:
             self.fail(f"worker {hook} raised {type(e).__name__}: {e}")
             return None
+        finally:
+            self._watchdog.leave(token)
 
     def begin_step(self, meta: Any) -> None:
         self._work("bind_connector_meta", meta)
@@ -333,6 +353,7 @@ class ConnectorManager:
         return s
 
     def shutdown(self) -> None:
+        self._watchdog.stop()
         if self.failure is not None:
             # a copy may still be running: keep the connector and its memory, wait for nothing
             KEEP_ALIVE.append(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -51,6 +52,25 @@ def agree_on_failure(comm: Comm, votes: list[int], failure: str | None) -> None:
         raise ConnectorError(next(m for m in messages if m))
 
 
+def exit_fatal(rank: int, message: str, conn: Connection | None = None) -> None:
+    """A fatal connector failure: report it to the front and end the process (nothing is
+    freed under a copy that may still run; the peers see this rank gone and stop too)."""
+    logging.getLogger(__name__).error("rank %d stops: %s", rank, message)
+    if conn is not None:
+        try:
+            conn.send(("fatal", rank, message))
+        except OSError:
+            pass
+    os._exit(1)
+
+
+def on_stuck_exit(engine, rank: int, conn: Connection | None = None) -> None:
+    """A connector hook that blocks on this rank ends the process (see exit_fatal): its
+    peers are waiting for it in a collective, and its own thread cannot be unstuck."""
+    if engine.connector is not None:
+        engine.connector.on_stuck = lambda message: exit_fatal(rank, message, conn)
+
+
 def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
               conn: Connection, mode: str = "tp") -> None:
     """Entry point of a spawned rank process."""
@@ -65,23 +85,21 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
         # one machine's cores shared by its ranks, not oversubscribed world_size times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         info, comm, config = join_group(rank, world_size, mode, config, init_method, rank)
+        conn = _LockedConnection(conn)  # a watchdog's report may come from its own thread
         if mode == "tp":
             engine = Engine(config, info, comm)
+            on_stuck_exit(engine, rank, conn)
             conn.send(("ready", rank, engine.info))
             _serve(rank, engine, comm, conn)
         else:
             fleet = _FleetState(comm)
             engine = Engine(config, info, comm, fleet_sync=fleet.sync)
+            on_stuck_exit(engine, rank, conn)
             conn.send(("ready", rank, engine.info))
             _serve_owner(rank, engine, fleet, conn)
         conn.send(("stopped", rank, None))
     except ConnectorError as e:  # the same message on every rank: the fleet must restart
-        logging.getLogger(__name__).error("rank %d stops: %s", rank, e)
-        try:
-            conn.send(("fatal", rank, str(e)))
-        except OSError:
-            pass
-        os._exit(1)  # nothing is freed under a copy that may still run: the process ends
+        exit_fatal(rank, str(e), conn)
     except BaseException as e:  # report anything to the front, then die with an error
         detail = f"{type(e).__name__}: {e}"
         logging.getLogger(__name__).error("rank %d failed: %s\n%s", rank, detail,
@@ -142,6 +160,24 @@ def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
             finished = outbox.ready(_step(engine))
             if rank == 0:
                 streamer.send(conn, rank, engine, finished)
+
+
+class _LockedConnection:
+    """The rank's end of the front's pipe, sends serialized across threads."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._conn.poll(timeout)
+
+    def recv(self):
+        return self._conn.recv()
 
 
 def _step(engine) -> list:

@@ -27,7 +27,7 @@ def run_requests(config: EngineConfig, requests: list[dict]):
     requests in the order given, stats) on rank 0 and (None, stats) elsewhere."""
     from shoal.engine import Engine
     from shoal.parallel.rank import (_FleetState, _step, agree_on_failure, apply_record,
-                                     join_group, output_record)
+                                     join_group, on_stuck_exit, output_record)
     from shoal.request import Request
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -41,6 +41,7 @@ def run_requests(config: EngineConfig, requests: list[dict]):
     try:
         if mode == "tp":
             engine = Engine(config, info, comm)
+            on_stuck_exit(engine, rank)
             reqs = [engine.add_request(**r) for r in requests]
             while True:  # one control all-gather per step: anyone working? anyone failed?
                 failure = engine.failure
@@ -52,6 +53,7 @@ def run_requests(config: EngineConfig, requests: list[dict]):
         else:
             fleet = _FleetState(comm)
             engine = Engine(config, info, comm, fleet_sync=fleet.sync)
+            on_stuck_exit(engine, rank)
             mine = {i: engine.add_request(**r, request_id=f"req-{i}")
                     for i, r in enumerate(requests) if i % world == rank}
             while True:
