@@ -8,8 +8,8 @@ from typing import Sequence
 
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorConfig, ConnectorError
-from shoal.engine import Engine
-from shoal.handle import Driver, RequestHandle
+from shoal.engine.engine import Engine
+from shoal.serving.driver import Driver, RequestHandle
 from shoal.request import Request, RequestOutput
 from shoal.sampling import SamplingParams
 

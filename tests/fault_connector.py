@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import replace
 
-from shoal.connectors.fs_pool import FsPoolMeta, FsPoolScheduler, FsPoolWorker
+from shoal.connectors.fs.connector import FsPoolMeta, FsPoolScheduler, FsPoolWorker
 
 
 class InjectedFault(RuntimeError):

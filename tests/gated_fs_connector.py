@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from shoal.connectors.fs_pool import FsPoolScheduler, FsPoolWorker
+from shoal.connectors.fs.connector import FsPoolScheduler, FsPoolWorker
 
 __all__ = ["FsPoolScheduler", "GatedFsWorker"]
 

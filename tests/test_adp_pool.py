@@ -8,7 +8,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
-from shoal.connectors import pool_file as pf
+from shoal.connectors.fs import format as pf
 from tests.conftest import random_prompts
 
 SP = SamplingParams(max_tokens=8)

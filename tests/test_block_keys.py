@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from shoal.block_keys import (extend_block_keys, make_namespace, request_seed, shard_key,
+from shoal.kv.block_keys import (extend_block_keys, make_namespace, request_seed, shard_key,
                               shard_namespace)
 
 NS = make_namespace("model-x", torch.float32, 4, 1)
@@ -58,7 +58,7 @@ def test_shard_keys_differ_per_shard_and_equal_the_key_with_one_shard():
 
 
 def test_keys_are_identical_in_another_process():
-    code = ("import torch; from shoal.block_keys import *; k=[]; "
+    code = ("import torch; from shoal.kv.block_keys import *; k=[]; "
             "extend_block_keys(k, list(range(40)), 4, request_seed(make_namespace("
             "'model-x', torch.float32, 4, 1), 'salt')); print(b''.join(k).hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.block_pool import BlockPool
+from shoal.kv.block_pool import BlockPool
 
 
 def test_allocate_free_and_exhaustion():

@@ -60,7 +60,7 @@ def _make_pool(tiny_model, pool):
 
 
 def test_pool_stats_verify_gc(tiny_model, tmp_path):
-    from shoal.connectors import pool_file as pf
+    from shoal.connectors.fs import format as pf
     pool = tmp_path / "pool"
     _make_pool(tiny_model, pool)  # 5 + 3 full prompt blocks
     r = shoal("pool", "stats", str(pool), "--json")

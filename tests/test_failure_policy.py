@@ -14,7 +14,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig, ConnectorError
-from shoal.connectors import pool_file as pf
+from shoal.connectors.fs import format as pf
 from tests import fault_connector
 from tests.conftest import random_prompts
 
@@ -324,7 +324,7 @@ def test_shutdown_expiring(tiny_model, prompts, tmp_path, abort):
 
 def test_freeing_blocks_under_a_pending_load_is_refused_and_fatal(tiny_model, prompts,
                                                                   warm_pool):
-    from shoal.connectors.manager import KEEP_ALIVE
+    from shoal.engine.transfers import KEEP_ALIVE
     cfg = faulty(warm_pool, {"load_polls": -1}, timeout=600)
     llm = make_llm(tiny_model, cfg, 1, False)
     engine = llm.engine

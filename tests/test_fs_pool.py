@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from shoal import LLM, SamplingParams
-from shoal.block_keys import extend_block_keys, request_seed
+from shoal.kv.block_keys import extend_block_keys, request_seed
 from shoal.connectors import ConnectorConfig
-from shoal.connectors import pool_file as pf
+from shoal.connectors.fs import format as pf
 from tests.conftest import random_prompts
 
 SP = SamplingParams(max_tokens=10)
@@ -48,7 +48,7 @@ def block_files(pool: Path) -> list[Path]:
 RUN_IN_PROCESS = """
 import json, sys
 from shoal import LLM, SamplingParams
-from shoal.block_keys import extend_block_keys, request_seed
+from shoal.kv.block_keys import extend_block_keys, request_seed
 model, pool, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 with LLM(model, kv_pool=pool, block_size=4, num_kv_blocks=128) as llm:
     outs = llm.generate(prompts, SamplingParams(max_tokens=10))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.connectors import pool_file as pf
+from shoal.connectors.fs import format as pf
 
 NS = b"n" * 32
 SHAPE = (2, 2, 4, 1, 64)  # 4 KiB of float32

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from shoal.kv_cache_manager import KVCacheManager
+from shoal.kv.kv_cache_manager import KVCacheManager
 from shoal.request import Request, RequestStatus
 from shoal.sampling import SamplingParams
-from shoal.scheduler import Scheduler
+from shoal.engine.scheduler import Scheduler
 
 
 def make(num_blocks=64, max_num_tokens=32, max_batch_size=8):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from shoal import LLM, SamplingParams
-from shoal.block_keys import extend_block_keys, request_seed, shard_key, shard_namespace
+from shoal.kv.block_keys import extend_block_keys, request_seed, shard_key, shard_namespace
 from shoal.connectors import ConnectorConfig
-from shoal.connectors import pool_file as pf
+from shoal.connectors.fs import format as pf
 from tests.conftest import random_prompts
 
 SP = SamplingParams(max_tokens=8)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from shoal.connectors import ConnectorConfig, ConnectorContext, KVCacheRegistration
-from shoal.connectors.fs_pool import BlockTransfer, FsPoolMeta, FsPoolWorker
-from shoal.kv_cache import KVCacheLayout
+from shoal.connectors.fs.connector import BlockTransfer, FsPoolMeta, FsPoolWorker
+from shoal.kv.kv_cache import KVCacheLayout
 
 
 def _transfer(worker: FsPoolWorker, meta: FsPoolMeta, rid: str, saving: bool) -> float:

@@ -105,7 +105,7 @@ class KVCacheRegistration:
     """What register_kv_caches receives: the KV tensor and how to read it."""
 
     tensor: Any  # torch.Tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-    layout: Any  # shoal.kv_cache.KVCacheLayout
+    layout: Any  # shoal.kv.kv_cache.KVCacheLayout
 
 
 class KvConnectorScheduler(abc.ABC):

@@ -58,4 +58,4 @@ def resolve_connector(config: ConnectorConfig) -> tuple[type[KvConnectorSchedule
     return classes[0], classes[1]
 
 
-register_connector("fs", "shoal.connectors.fs_pool", "FsPoolScheduler", "FsPoolWorker")
+register_connector("fs", "shoal.connectors.fs.connector", "FsPoolScheduler", "FsPoolWorker")

@@ -179,7 +179,7 @@ def _hf_name(gguf_name: str) -> str:
 
 def load_tokenizer_only(model: str):
     """The model's tokenizer without reading its weights (for a front process)."""
-    from shoal.tokenizer import Tokenizer
+    from shoal.model.tokenizer import Tokenizer
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         return Tokenizer(path.parent, path.name, file_checksum([path]))

@@ -226,19 +226,22 @@ class Fleet:
         return apply_record(req, record)
 
     def _send(self, rank: int, msg) -> None:
-        if self._closed:
-            raise RuntimeError("this fleet has been shut down")
-        if msg[0] != "add":
-            self._send_arrivals()  # a message after add_request sees the request there
-        try:
-            self._conns[rank].send(msg)
-        except OSError as e:
-            self._fail(f"rank {rank} is unreachable ({e})")
+        """Send `msg` after the requests added before it (a cancel finds its request)."""
+        self._send_arrivals()
+        self._post(rank, msg)
 
     def _send_arrivals(self) -> None:
         arrivals, self._arrivals = self._arrivals, {}
         for owner, specs in arrivals.items():
-            self._send(owner, ("add", specs))
+            self._post(owner, ("add", specs))
+
+    def _post(self, rank: int, msg) -> None:
+        if self._closed:
+            raise RuntimeError("this fleet has been shut down")
+        try:
+            self._conns[rank].send(msg)
+        except OSError as e:
+            self._fail(f"rank {rank} is unreachable ({e})")
 
     def _receive(self, timeout: float) -> list[tuple[str, int, object]]:
         """Messages ready within `timeout`; raises FleetError if a rank died or failed."""

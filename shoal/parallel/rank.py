@@ -81,7 +81,7 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
     try:
         import torch
 
-        from shoal.engine import Engine
+        from shoal.engine.engine import Engine
         # one machine's cores shared by its ranks, not oversubscribed world_size times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         info, comm, config = join_group(rank, world_size, mode, config, init_method, rank)

@@ -25,7 +25,7 @@ def launched_by_torchrun() -> bool:
 def run_requests(config: EngineConfig, requests: list[dict]):
     """Run `requests` (add_request kwargs) across the torchrun ranks; returns (finished
     requests in the order given, stats) on rank 0 and (None, stats) elsewhere."""
-    from shoal.engine import Engine
+    from shoal.engine.engine import Engine
     from shoal.parallel.rank import (_FleetState, _step, agree_on_failure, apply_record,
                                      join_group, on_stuck_exit, output_record)
     from shoal.request import Request

@@ -1,7 +1,7 @@
 """The built-in filesystem pool connector ("fs"; `LLM(kv_pool=DIR)`).
 
 Content-addressed by block key, shared by any number of processes and ranks, persistent
-across restarts (format and publish protocol: pool_file.py). Options:
+across restarts (format and publish protocol: format.py). Options:
 
     root          pool directory (required; created with owner-only permissions)
     load_mode     "async" (default: loads run on the I/O threads while other requests
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from shoal.block_keys import shard_key, shard_namespace
-from shoal.connectors import pool_file as pf
+from shoal.kv.block_keys import shard_key, shard_namespace
+from shoal.connectors.fs import format as pf
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    KvConnectorScheduler, KvConnectorWorker, RequestView,
                                    SchedulerOutput)
-from shoal.connectors.pool_admin import trim_pool
+from shoal.connectors.fs.admin import trim_pool
 
 log = logging.getLogger(__name__)
 

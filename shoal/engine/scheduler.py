@@ -7,8 +7,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.connectors.manager import ConnectorManager, TransferReport
-from shoal.kv_cache_manager import KVCacheManager, cdiv
+from shoal.engine.transfers import ConnectorManager, TransferReport
+from shoal.kv.kv_cache_manager import KVCacheManager, cdiv
 from shoal.request import Request, RequestStatus
 
 

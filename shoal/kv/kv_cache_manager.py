@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shoal.block_keys import extend_block_keys, request_seed
-from shoal.block_pool import BlockPool
+from shoal.kv.block_keys import extend_block_keys, request_seed
+from shoal.kv.block_pool import BlockPool
 from shoal.request import Request
 
 

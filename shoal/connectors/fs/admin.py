@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.connectors import pool_file as pf
+from shoal.connectors.fs import format as pf
 
 STALE_TEMP_SECONDS = 3600  # temp files older than this belong to a crashed writer
 

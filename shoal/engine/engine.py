@@ -9,21 +9,21 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.block_keys import make_namespace
+from shoal.kv.block_keys import make_namespace
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorContext, ConnectorError, KVCacheRegistration
-from shoal.connectors.manager import KEEP_ALIVE, ConnectorManager
-from shoal.executor import Executor
-from shoal.kv_cache import KVCache, KVCacheLayout
-from shoal.kv_cache_manager import KVCacheManager
+from shoal.engine.transfers import KEEP_ALIVE, ConnectorManager
+from shoal.engine.executor import Executor
+from shoal.kv.kv_cache import KVCache, KVCacheLayout
+from shoal.kv.kv_cache_manager import KVCacheManager
 from shoal.model.llama import LlamaModel, Shard, rope_inv_freq
 from shoal.model.loader import load_model_source
-from shoal.model_runner import ModelRunner
+from shoal.engine.model_runner import ModelRunner
 from shoal.parallel.comm import SINGLE, Comm, ParallelInfo
 from shoal.request import Request
 from shoal.sampling import SamplingParams
-from shoal.scheduler import Scheduler
-from shoal.tokenizer import Tokenizer
+from shoal.engine.scheduler import Scheduler
+from shoal.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +113,14 @@ class Engine:
     def _make_connector(self, config: EngineConfig, info: ParallelInfo, namespace: bytes,
                         layout: KVCacheLayout) -> ConnectorManager:
         """ADP: every owner its own scheduler side and worker over one shared pool. TP: the
-        scheduler side on rank 0, a worker per rank (shoal.parallel.tp_connector)."""
+        scheduler side on rank 0, a worker per rank (shoal.parallel.agreement)."""
         ctx = ConnectorContext(rank=info.rank, world_size=info.world_size,
                                owner_rank=info.rank if info.mode == "adp" else 0, mode=info.mode,
                                block_size=config.block_size, namespace=namespace.hex(),
                                device=str(self.device))
         registration = KVCacheRegistration(self.kv_cache.tensor, layout)
         if info.mode == "tp":
-            from shoal.parallel.tp_connector import TpConnectorManager
+            from shoal.parallel.agreement import TpConnectorManager
             return TpConnectorManager(config.kv_connector, ctx, registration,
                                       self.kv_manager.pool, self.comm)
         return ConnectorManager(config.kv_connector, ctx, registration, self.kv_manager.pool)

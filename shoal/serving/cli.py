@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "demo":
-            from shoal.demo import run_demo
+            from shoal.serving.demo import run_demo
             return run_demo(args.model, overlap=not args.no_overlap, pool_dir=args.kv_pool)
         if args.command == "pool":
             return _pool(args)
@@ -199,7 +199,7 @@ def _pool(args: argparse.Namespace) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from shoal.connectors import pool_admin
+    from shoal.connectors.fs import admin as pool_admin
 
     root = Path(args.dir)
     if not (root / "blocks").is_dir():

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from shoal.kv_cache import KVCache
+from shoal.kv.kv_cache import KVCache
 from shoal.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
 from shoal.sampling import Sampler
-from shoal.scheduler import ScheduledBatch
+from shoal.engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 import time
 
-from shoal.block_pool import BlockPool
+from shoal.kv.block_pool import BlockPool
 from shoal.connectors.base import ConnectorConfig, ConnectorContext, KVCacheRegistration
-from shoal.connectors.manager import ConnectorManager, TransferReport
+from shoal.engine.transfers import ConnectorManager, TransferReport
 from shoal.parallel.comm import Comm
 
 NO_FAILURE = 1 << 62  # "no failed block" in the agreed minimum

@@ -17,10 +17,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shoal.connectors.manager import ConnectorManager, TransferReport
-from shoal.model_runner import ModelRunner
+from shoal.engine.transfers import ConnectorManager, TransferReport
+from shoal.engine.model_runner import ModelRunner
 from shoal.request import Request
-from shoal.scheduler import ScheduledBatch, Scheduler
+from shoal.engine.scheduler import ScheduledBatch, Scheduler
 
 IDLE_POLL_SECONDS = 0.0005  # pause of a step that only waits for transfers
 

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shoal.block_pool import BlockPool
+from shoal.kv.block_pool import BlockPool
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    RequestData, RequestView, SchedulerOutput)
 from shoal.connectors.registry import resolve_connector
@@ -66,7 +66,7 @@ class TransferReport:
 
 class ConnectorManager:
     """`lead`: this process runs the connector's scheduler side (under TP only rank 0 does;
-    see shoal.parallel.tp_connector)."""
+    see shoal.parallel.agreement)."""
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext, registration:
                  KVCacheRegistration, pool: BlockPool, lead: bool = True):

@@ -1,0 +1,1 @@
+"""The built-in filesystem KV pool ("fs"): connector, file format, admin tools."""
