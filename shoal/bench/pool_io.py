@@ -56,7 +56,7 @@ def run_pool_io(num_blocks: int, threads: int, rounds: int) -> int:
         for r in range(rounds):  # each round: a fresh pool, fresh raw files
             root = Path(tmp) / f"pool{r}"
             cfg = ConnectorConfig(name="fs", options={"root": str(root), "io_threads": threads})
-            ctx = ConnectorContext(0, 1, 0, "single", 16, os.urandom(32).hex(), "cpu")
+            ctx = ConnectorContext(0, 1, 0, 1, 0, 1, 16, os.urandom(32).hex(), "cpu")
             worker = FsPoolWorker(cfg, ctx)
             worker.register_kv_caches(KVCacheRegistration(kv, layout))
             blocks = [BlockTransfer("r", i, i, os.urandom(32)) for i in range(num_blocks)]

@@ -61,8 +61,10 @@ class ConnectorContext:
 
     rank: int  # this process's rank in the group
     world_size: int
-    owner_rank: int  # the owner whose requests this object serves
-    mode: str  # "single" | "tp" | "adp"
+    owner_rank: int  # the ADP owner whose requests this object serves (0 without ADP)
+    num_owners: int  # ADP owners sharing the pool, each with its own requests (1 without ADP)
+    shard_rank: int  # TP: which shard of every block this rank holds (0 without TP)
+    num_shards: int  # TP: shards each block is split into, one per rank (1 without TP)
     block_size: int  # token slots per block
     namespace: str  # hex of the block-key namespace (model, dtype, block size, layout, TP size)
     device: str  # where the KV cache lives

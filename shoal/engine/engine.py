@@ -115,7 +115,9 @@ class Engine:
         """ADP: every owner its own scheduler side and worker over one shared pool. TP: the
         scheduler side on rank 0, a worker per rank (shoal.parallel.agreement)."""
         ctx = ConnectorContext(rank=info.rank, world_size=info.world_size,
-                               owner_rank=info.rank if info.mode == "adp" else 0, mode=info.mode,
+                               owner_rank=info.rank if info.mode == "adp" else 0,
+                               num_owners=info.dp_size, shard_rank=info.rank if info.mode == "tp" else 0,
+                               num_shards=info.tp_size,
                                block_size=config.block_size, namespace=namespace.hex(),
                                device=str(self.device))
         registration = KVCacheRegistration(self.kv_cache.tensor, layout)

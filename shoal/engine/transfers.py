@@ -71,7 +71,7 @@ class ConnectorManager:
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext, registration:
                  KVCacheRegistration, pool: BlockPool, lead: bool = True):
         scheduler_cls, worker_cls = resolve_connector(config)
-        if ctx.mode == "adp":
+        if ctx.num_owners > 1:
             for cls in (scheduler_cls, worker_cls):
                 if not getattr(cls, "supports_attention_dp", False):
                     raise ValueError(f"connector class {cls.__module__}.{cls.__qualname__} does "

@@ -102,7 +102,7 @@ class FsPoolScheduler(KvConnectorScheduler):
         opts = open_pool(config)
         self.root, self.is_async = opts.root, opts.is_async
         self._root_str = str(self.root)
-        self._num_shards = ctx.world_size if ctx.mode == "tp" else 1
+        self._num_shards = ctx.num_shards
         self._matched: dict[str, tuple[int, int]] = {}  # rid -> (first block, num blocks)
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
@@ -188,7 +188,7 @@ class FsPoolWorker(KvConnectorWorker):
         opts = open_pool(config)
         self.root, self.is_async, self.max_bytes = opts.root, opts.is_async, opts.max_bytes
         # the shard this rank holds (TP), named in its files' keys and headers
-        self._shard = (ctx.rank, ctx.world_size) if ctx.mode == "tp" else (0, 1)
+        self._shard = (ctx.shard_rank, ctx.num_shards)
         self.namespace = shard_namespace(bytes.fromhex(ctx.namespace), *self._shard)
         self._num_threads = opts.io_threads
         self._io = ThreadPoolExecutor(self._num_threads, thread_name_prefix="shoal-fs-io")
