@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
+from dataclasses import replace
 from typing import Sequence
 
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorConfig, ConnectorError
-from shoal.engine.engine import Engine
+from shoal.engine.engine import Engine, EngineLike
+from shoal.request import NewRequest, RequestOutput
 from shoal.serving.driver import Driver, RequestHandle
-from shoal.request import Request, RequestOutput
 from shoal.sampling import SamplingParams
 
 Prompt = str | Sequence[int]  # text, or token ids used as they are
@@ -27,34 +29,20 @@ class LLM:
     """An inference engine. Keyword arguments are those of `EngineConfig`; `kv_pool=DIR` is
     shorthand for `kv_connector=ConnectorConfig(name="fs", options={"root": DIR})`."""
 
-    def __init__(self, model: str = "smollm2", *, kv_pool: str | None = None,
-                 kv_connector=None, dp_size: int = 1, tp_size: int = 1, block_size: int = 16,
-                 max_batch_size: int = 64, max_num_tokens: int = 2048,
-                 num_kv_blocks: int | None = None, kv_cache_gb: float = 1.0,
-                 max_model_len: int | None = None, overlap_scheduler: bool = True,
-                 enable_prefix_caching: bool = True, device: str = "cpu",
-                 dtype: str = "float32"):
-        if kv_pool is not None and kv_connector is not None:
+    def __init__(self, model: str = "smollm2", *, kv_pool: str | None = None, **config):
+        if kv_pool is not None and config.get("kv_connector") is not None:
             raise ValueError("give kv_pool or kv_connector, not both")
         if kv_pool is not None:
-            kv_connector = pool_connector(kv_pool)
-        self.config = EngineConfig(
-            model=model, block_size=block_size, max_batch_size=max_batch_size,
-            max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb,
-            max_model_len=max_model_len, overlap_scheduler=overlap_scheduler,
-            enable_prefix_caching=enable_prefix_caching, device=device, dtype=dtype,
-            dp_size=dp_size, tp_size=tp_size, kv_connector=kv_connector)
+            config["kv_connector"] = pool_connector(kv_pool)
+        self.config = EngineConfig(model=model, **config)  # unknown keywords: TypeError
         if self.config.tp_size > 1 or self.config.dp_size > 1:
             from shoal.parallel.fleet import Fleet
-            self._engine: Engine | Fleet | None = Fleet(self.config)
-        else:
-            self._engine = Engine(self.config)
+            self._engine: EngineLike | None = Fleet(self.config)
+        else:  # a connector hook that never returns fails the handles instead of hanging
+            self._engine = Engine(self.config, on_stuck=lambda message: self._driver.abandon(
+                ConnectorError(message)))
         self.tokenizer = self._engine.tokenizer
-        self._driver = Driver(self._engine, self._output)
-        connector = getattr(self._engine, "connector", None)  # one rank: in this process
-        if connector is not None:  # a hook that never returns fails the handles, not hangs
-            driver = self._driver
-            connector.on_stuck = lambda message: driver.abandon(ConnectorError(message))
+        self._driver = Driver(self._engine, self._complete)
 
     @property
     def engine(self):
@@ -67,8 +55,11 @@ class LLM:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  cache_salt: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a str, a sequence of token ids, or a list of "
+                            f"those, got {type(prompts).__name__}")
         params = _per_prompt(sampling, len(prompts))
         handles = self._submit([(p, sp, None) for p, sp in zip(prompts, params)], cache_salt)
         bar = None
@@ -90,32 +81,33 @@ class LLM:
                request_id: str | None = None, *, cache_salt: str | None = None) -> RequestHandle:
         """Start one request and return at once; the engine runs it in the background.
         The handle has request_id, cancel(), result(timeout=None) and stream()."""
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         return self._submit([(prompt, sampling or SamplingParams(), request_id)], cache_salt)[0]
 
     def _submit(self, items, cache_salt: str | None) -> list[RequestHandle]:
-        """(prompt, sampling, request_id) items, added to the engine in one go."""
-        self.engine  # noqa: B018 -- raises once shut down
-        adds = []
+        """(prompt, sampling, request_id) items, added to the engine in one go; all are
+        validated first (TypeError/ValueError naming the field: nothing is added then)."""
+        engine = self.engine  # raises once shut down
+        requests = []
         for prompt, sp, rid in items:
-            if isinstance(prompt, str):
-                ids, text = self.tokenizer.encode(prompt), prompt
-            else:
-                ids, text = list(prompt), None
-            adds.append(lambda engine, ids=ids, sp=sp, rid=rid, text=text: engine.add_request(
-                ids, sp, request_id=rid, prompt=text, cache_salt=cache_salt))
-        return self._driver.submit(adds)
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if text is not None else prompt
+            new = NewRequest(ids, sp, rid, text, cache_salt)
+            new.check_vocab(engine.info.vocab_size)
+            requests.append(new)
+        return self._driver.submit(requests)
 
     def chat(self, messages_list: Sequence[dict] | Sequence[Sequence[dict]],
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
              cache_salt: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Like generate, for conversations (lists of {"role", "content"}) through the model's
         chat template; one conversation or a list of them."""
+        if not isinstance(messages_list, (list, tuple)):
+            raise TypeError("chat takes a conversation (a list of messages) or a list of "
+                            f"conversations, got {type(messages_list).__name__}")
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]
+        for messages in messages_list:
+            _check_messages(messages)
         ids = [self.tokenizer.apply_chat_template(list(m)) for m in messages_list]
         return self.generate(ids, sampling, cache_salt=cache_salt, use_tqdm=use_tqdm)
 
@@ -147,18 +139,29 @@ class LLM:
         self.engine  # noqa: B018 -- raises once shut down
         return self._driver.call(fn)
 
-    def _output(self, req: Request) -> RequestOutput:
-        return to_output(req, self.tokenizer)
+    def _complete(self, out: RequestOutput) -> RequestOutput:
+        """The engine's output with its text decoded (when a tokenizer exists)."""
+        text = self.tokenizer.decode(out.token_ids) if self.tokenizer.is_available else ""
+        return replace(out, text=text)
 
 
-def to_output(req: Request, tokenizer) -> RequestOutput:
-    """The user-facing result of a finished request (text decoded when a tokenizer exists)."""
-    return RequestOutput(
-        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-        text=tokenizer.decode(req.output_token_ids) if tokenizer.is_available else "",
-        token_ids=list(req.output_token_ids), finish_reason=req.finish_reason, error=req.error,
-        metrics=req.metrics, num_local_prefix_tokens=req.num_local_prefix_tokens or 0,
-        num_connector_tokens=req.num_connector_tokens)
+def _is_one_prompt(prompts) -> bool:
+    """Text, or token ids (a 1-D array, or a list/tuple starting with an int)."""
+    if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
+        return True
+    return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+            and isinstance(prompts[0], numbers.Integral))
+
+
+def _check_messages(messages) -> None:
+    """A conversation: a list of {"role": str, "content": str} (TypeError naming the problem)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"a conversation must be a non-empty list of messages, got {messages!r:.60}")
+    for i, m in enumerate(messages):
+        if (not isinstance(m, dict) or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)):
+            raise TypeError(f"message {i} must be a dict with str 'role' and 'content', "
+                            f"got {m!r:.60}")
 
 
 def _per_prompt(sampling, n: int) -> list[SamplingParams]:
@@ -166,7 +169,9 @@ def _per_prompt(sampling, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(sampling, SamplingParams):
         return [sampling] * n
-    sampling = list(sampling)
+    if not isinstance(sampling, (list, tuple)):
+        raise TypeError(f"sampling must be a SamplingParams or a list of them, got "
+                        f"{type(sampling).__name__}")
     if len(sampling) != n:
         raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {n} prompts")
-    return sampling
+    return list(sampling)

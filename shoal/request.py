@@ -1,8 +1,11 @@
-"""A request's life inside the engine, and the output handed back to the user."""
+"""The records of a request's life: what enters an engine (`NewRequest`), its state inside
+(`Request`), and what comes out (`RequestOutput`, and per step a `StepResult`). The same
+records cross threads (the driver) and processes (a fleet's pipes)."""
 
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -90,6 +93,54 @@ class Request:
             self.output_token_ids[max(start - n, 0):end - n]
 
 
+@dataclass(frozen=True)
+class NewRequest:
+    """A request as it enters an engine (or a fleet, which passes it to one rank)."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    request_id: str | None = None  # None: the engine names it
+    prompt: str | None = None  # the text, when the prompt was text
+    cache_salt: str | None = None  # isolates its block keys from requests of other salts
+
+    def __post_init__(self) -> None:
+        """Types checked and token ids made plain ints (TypeError/ValueError naming the
+        field); the vocabulary range is checked where it is known (`check_vocab`)."""
+        object.__setattr__(self, "prompt_token_ids", token_id_list(self.prompt_token_ids))
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.request_id is not None and (not isinstance(self.request_id, str)
+                                            or not self.request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        for name in ("prompt", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the first prompt token id outside [0, vocab_size)."""
+        for i, t in enumerate(self.prompt_token_ids):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt token id {t} (position {i}) is outside the model's "
+                                 f"vocabulary [0, {vocab_size})")
+
+
+def token_id_list(ids) -> list[int]:
+    """A prompt given as token ids, as a list of ints: a list, tuple or range of Python or
+    NumPy ints, or a 1-D NumPy/torch integer array. TypeError for anything else (text is
+    tokenized before this; bytes are not token ids)."""
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:
+        ids = ids.tolist()  # an array: its items as Python scalars
+    if not isinstance(ids, (list, tuple, range)):
+        raise TypeError("a prompt must be a str or a sequence of int token ids, got "
+                        f"{type(ids).__name__}")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"prompt token ids must be ints, got {type(t).__name__} "
+                            f"{t!r:.40} at position {i}")
+    return [int(t) for t in ids]
+
+
 @dataclass
 class RequestOutput:
     """The final result of one request."""
@@ -104,3 +155,31 @@ class RequestOutput:
     metrics: RequestMetrics
     num_local_prefix_tokens: int  # served from this rank's own prefix cache
     num_connector_tokens: int  # loaded from the pool through the connector
+
+    @classmethod
+    def from_request(cls, req: Request, text: str = "") -> RequestOutput:
+        """What a finished request hands back (`text` is filled where a tokenizer decodes)."""
+        return cls(request_id=req.request_id, prompt=req.prompt,
+                   prompt_token_ids=req.prompt_token_ids, text=text,
+                   token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
+                   error=req.error, metrics=req.metrics,
+                   num_local_prefix_tokens=req.num_local_prefix_tokens or 0,
+                   num_connector_tokens=req.num_connector_tokens)
+
+
+@dataclass
+class StepResult:
+    """What one engine step (or a fleet's poll of its ranks) hands back."""
+
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)  # rid -> ids since the last
+    finished: list[RequestOutput] = field(default_factory=list)  # done: nothing of theirs pending
+
+    def __bool__(self) -> bool:
+        return bool(self.new_tokens or self.finished)
+
+    def merge(self, later: StepResult) -> StepResult:
+        """This result followed by `later` (tokens in order, finished appended)."""
+        for rid, ids in later.new_tokens.items():
+            self.new_tokens.setdefault(rid, []).extend(ids)
+        self.finished += later.finished
+        return self

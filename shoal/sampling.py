@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
+
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch.Generator takes
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"SamplingParams.{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"SamplingParams.{name} must be an integer {allowed}, got {value!r}")
+
+
+def _check_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -21,16 +38,23 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_real("temperature", self.temperature)
+        if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        _check_real("top_p", self.top_p)
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        _check_int("top_k", self.top_k, 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError("SamplingParams.stop_token_ids must be a sequence of ints, got "
+                            f"{type(self.stop_token_ids).__name__}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

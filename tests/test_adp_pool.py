@@ -9,6 +9,7 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
 from shoal.connectors.fs import format as pf
+from shoal.request import NewRequest
 from tests.conftest import random_prompts
 
 SP = SamplingParams(max_tokens=8)
@@ -99,16 +100,16 @@ def test_loading_owner_never_stalls_the_busy_owner(tiny_model, tmp_path, monkeyp
                           worker_class="GatedFsWorker", options={"root": str(pool)})
     with LLM(tiny_model, dp_size=2, kv_connector=cfg, **KW) as llm:
         fleet = llm.engine
-        req_a = fleet.add_request(a, SP)  # owner 0: a pool hit, its load waits at the gate
-        req_b = fleet.add_request(b, long)  # owner 1: computes meanwhile
-        done, start = [], time.monotonic()
-        while req_b not in done and time.monotonic() - start < 120:
-            done += fleet.step()
-        assert req_b in done and req_a not in done  # b ran all 24 tokens while a was loading
+        rid_a = fleet.add(NewRequest(a, SP))  # owner 0: a pool hit, its load waits at the gate
+        rid_b = fleet.add(NewRequest(b, long))  # owner 1: computes meanwhile
+        done, start = {}, time.monotonic()
+        while rid_b not in done and time.monotonic() - start < 120:
+            done.update((o.request_id, o) for o in fleet.step().finished)
+        assert rid_b in done and rid_a not in done  # b ran all 24 tokens while a was loading
         with open(gate, "wb"):  # open the gate: a's load proceeds
-            while req_a not in done and time.monotonic() - start < 120:
-                done += fleet.step()
+            while rid_a not in done and time.monotonic() - start < 120:
+                done.update((o.request_id, o) for o in fleet.step().finished)
         per_rank = llm.stats()["per_rank"]
-    assert [req_a.output_token_ids, req_b.output_token_ids] == expected
-    assert req_a.num_connector_tokens == 40
+    assert [done[rid_a].token_ids, done[rid_b].token_ids] == expected
+    assert done[rid_a].num_connector_tokens == 40
     assert per_rank[0]["connector_tokens_loaded"] == 40 and per_rank[1]["prompt_tokens"] == 9

@@ -9,7 +9,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
-from shoal.request import RequestStatus
+from shoal.request import NewRequest, RequestStatus
 from tests import late_connector as late
 from tests.conftest import random_prompts
 
@@ -36,24 +36,26 @@ def baseline(tiny_model, prompts):
 def drive(llm: LLM, prompts, sampling=SP) -> dict[str, list]:
     """Step the engine by hand, checking invariants 1, 2 and 5 after every step."""
     engine = llm.engine
-    runner = engine.executor.runner
+    runner = engine.runner
     real_execute = runner.execute
 
-    def checked_execute(batch, hooks=None):
+    def checked_execute(batch, token_counts, hooks=None):
         for chunk in batch.chunks:  # invariant 2: a loading request is never in a batch
             assert chunk.request.status != RequestStatus.WAITING_FOR_LOAD, chunk.request.request_id
-            assert chunk.request.request_id not in engine.scheduler.loading
-        return real_execute(batch, hooks)
+            assert not engine.transfers.is_loading(chunk.request.request_id)
+        return real_execute(batch, token_counts, hooks)
 
     runner.execute = checked_execute
-    reqs = [engine.add_request(p, sampling) for p in prompts]
+    rids = [engine.add(NewRequest(p, sampling)) for p in prompts]
+    reqs = [engine.live_requests()[rid] for rid in rids]
     ended = Counter()
-    outputs = {}
+    outputs, loaded = {}, {}
     steps = 0
     while engine.has_work:
-        for req in engine.step():
-            ended[req.request_id] += 1
-            outputs[req.request_id] = list(req.output_token_ids)
+        for out in engine.step().finished:
+            ended[out.request_id] += 1
+            outputs[out.request_id] = list(out.token_ids)
+            loaded[out.request_id] = out.num_connector_tokens
         steps += 1
         assert steps < 2000, "engine did not finish"
         engine.check_integrity()
@@ -64,7 +66,7 @@ def drive(llm: LLM, prompts, sampling=SP) -> dict[str, list]:
     runner.execute = real_execute
     assert all(ended[r.request_id] == 1 for r in reqs), ended  # invariant 5
     return {"tokens": [outputs[r.request_id] for r in reqs],
-            "loaded": [r.num_connector_tokens for r in reqs]}
+            "loaded": [loaded[r.request_id] for r in reqs]}
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -135,7 +137,7 @@ def test_hook_call_order_per_step(tiny_model, prompts, overlap):
 def test_connector_answers_are_validated(tiny_model, monkeypatch):
     late.reset()
     with LLM(tiny_model, block_size=4, num_kv_blocks=64, kv_connector=late_config()) as llm:
-        monkeypatch.setattr(llm.engine.connector.scheduler, "get_num_new_matched_tokens",
+        monkeypatch.setattr(llm.engine.transfers.scheduler, "get_num_new_matched_tokens",
                             lambda req, n: (0, True))
         with pytest.raises(RuntimeError, match=r"\(0, True\)"):
             llm.generate([[1, 2, 3, 4, 5]], SP)

@@ -324,12 +324,13 @@ def test_shutdown_expiring(tiny_model, prompts, tmp_path, abort):
 
 def test_freeing_blocks_under_a_pending_load_is_refused_and_fatal(tiny_model, prompts,
                                                                   warm_pool):
-    from shoal.engine.transfers import KEEP_ALIVE
+    from shoal.engine.transfers import is_kept_alive
+    from shoal.request import NewRequest
     cfg = faulty(warm_pool, {"load_polls": -1}, timeout=600)
     llm = make_llm(tiny_model, cfg, 1, False)
     engine = llm.engine
-    req = engine.add_request(prompts[0], SP)
-    while req.request_id not in engine.scheduler.loading:
+    req = engine.live_requests()[engine.add(NewRequest(prompts[0], SP))]
+    while not engine.transfers.is_loading(req.request_id):
         engine.step()
     blocks = list(req.block_ids)
     engine.scheduler.finish(req, "error", "ordinary cleanup")  # not through the load's end
@@ -338,7 +339,7 @@ def test_freeing_blocks_under_a_pending_load_is_refused_and_fatal(tiny_model, pr
     with pytest.raises(ConnectorError, match="must be restarted"):
         engine.step()
     llm.shutdown()
-    assert engine.kv_cache in KEEP_ALIVE  # never freed under a copy that may still run
+    assert is_kept_alive(engine.kv_cache)  # never freed under a copy that may still run
 
 
 def test_rank_killed_during_a_transfer(tiny_model, prompts, warm_pool):

@@ -153,11 +153,11 @@ def test_missing_file_after_lookup_is_recomputed(tiny_model, workload, baseline,
     real = pf.read_block_into
     calls = []
 
-    def vanish_third(root, namespace, key, dest, shape, dtype):
+    def vanish_third(root, namespace, key, dest, shape, dtype, **kw):
         calls.append(key)
         if len(calls) == 3:
             raise pf.BlockMissing(key.hex())
-        return real(root, namespace, key, dest, shape, dtype)
+        return real(root, namespace, key, dest, shape, dtype, **kw)
 
     cfg = ConnectorConfig(name="fs", options={"root": str(pool), "load_mode": "sync"})
     monkeypatch.setattr(pf, "read_block_into", vanish_third)
@@ -197,7 +197,7 @@ def test_failed_saves_are_counted_and_leave_no_temp_file(tiny_model, workload, b
             return real_open(path, flags, *a, **kw)
         monkeypatch.setattr(pf.os, "open", refuse)
     else:
-        def full(src, dst):
+        def full(src, dst, **kw):
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(pf.os, "link", full)
     outs, s = produce(tiny_model, pool, workload)

@@ -10,6 +10,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.parallel.fleet import FleetError
+from shoal.request import NewRequest
 from tests.conftest import random_prompts
 
 SP = SamplingParams(max_tokens=16)
@@ -76,10 +77,9 @@ def test_killed_rank_stops_the_fleet_within_bound(tiny_models, mode):
     llm = LLM(str(tiny_models["mha_untied"]), **{mode: 2}, block_size=4, num_kv_blocks=300)
     fleet = llm.engine
     procs = list(fleet._procs)
-    req = fleet.add_request(random_prompts(512, [8])[0], SamplingParams(max_tokens=1000,
-                                                                        ignore_eos=True))
-    fleet.step()
-    assert not req.is_finished  # killed mid-generation
+    rid = fleet.add(NewRequest(random_prompts(512, [8])[0],
+                               SamplingParams(max_tokens=1000, ignore_eos=True)))
+    assert rid not in [o.request_id for o in fleet.step().finished]  # killed mid-generation
     os.kill(procs[1].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(FleetError, match="rank . (failed|exited).*restart is required"):

@@ -19,7 +19,7 @@ def req(rid, n, max_tokens=4):
 
 def fake_step(sched, batch):
     """Pretend the model ran: every sampling chunk gets token 7."""
-    return sched.update(batch, [7] * sum(c.samples for c in batch.chunks), defer_free=False)
+    return sched.update(batch, [7] * sum(c.is_sampling for c in batch.chunks), defer_free=False)
 
 
 def test_chunked_prefill_respects_token_budget():
@@ -29,7 +29,7 @@ def test_chunked_prefill_respects_token_budget():
     while sched.has_work:
         batch = sched.schedule()
         assert batch.num_tokens <= 10
-        sizes.append([(c.start, c.num_tokens, c.samples) for c in batch.chunks])
+        sizes.append([(c.start, c.num_tokens, c.is_sampling) for c in batch.chunks])
         fake_step(sched, batch)
         sched.check_integrity()
     assert sizes[:3] == [[(0, 10, False)], [(10, 10, False)], [(20, 5, True)]]

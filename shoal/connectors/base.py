@@ -2,7 +2,7 @@
 
 One scheduler-side object per owner decides what moves; one worker-side object per rank
 moves the bytes. Metadata flows scheduler -> worker once per step. The engine's
-ConnectorManager is the only caller of either side.
+KVTransfers (shoal.engine.transfers) is the only caller of either side.
 """
 
 from __future__ import annotations

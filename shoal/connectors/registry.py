@@ -32,9 +32,10 @@ def registered_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def resolve_connector(config: ConnectorConfig) -> tuple[type[KvConnectorScheduler],
-                                                        type[KvConnectorWorker]]:
-    """The two classes a config names; ValueError naming whatever is missing or wrong."""
+def resolve_connector(config: ConnectorConfig, attention_dp: bool = False
+                      ) -> tuple[type[KvConnectorScheduler], type[KvConnectorWorker]]:
+    """The two classes a config names; ValueError naming whatever is missing or wrong, or
+    (with `attention_dp`, i.e. dp_size > 1) a class that does not opt in to ADP."""
     if config.name is not None:
         spec = _REGISTRY.get(config.name)
         if spec is None:
@@ -54,6 +55,9 @@ def resolve_connector(config: ConnectorConfig) -> tuple[type[KvConnectorSchedule
             raise ValueError(f"connector module {spec.module!r} has no class {attr!r}")
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ValueError(f"{spec.module}.{attr} is not a subclass of {base.__name__}")
+        if attention_dp and not cls.supports_attention_dp:
+            raise ValueError(f"connector class {spec.module}.{attr} does not declare "
+                             "supports_attention_dp = True (required with dp_size > 1)")
         classes.append(cls)
     return classes[0], classes[1]
 

@@ -5,7 +5,7 @@ hook that never returns, because the engine thread that would check them is the 
 stuck inside it. The watchdog is a thread of its own: every hook call is entered and left
 here, and a call still running `limit` seconds after it started is reported, once, to
 `on_stuck(hook)`. The stuck call itself cannot be interrupted; what to do about it is the
-caller's policy (ConnectorManager: fatal).
+caller's policy (KVTransfers: fatal).
 """
 
 from __future__ import annotations

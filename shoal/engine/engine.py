@@ -1,31 +1,38 @@
-"""One rank's engine: model, KV cache, scheduler, runner and executor, built from a config."""
+"""One rank's engine: requests in, one step at a time, results out.
+
+    step = schedule -> sync with peers -> execute -> update -> report
+
+Two loops run the same step. Plain: each step executes its batch and applies the results
+before returning. Overlap: the step's batch is launched on the forward thread and the
+previous step's results are applied while it runs; tokens a step needs but the scheduler
+has not seen yet are placeholders the runner fills from the previous step. With a
+connector, `_execute` runs the worker-side hooks around the forward and polls transfers;
+a step with nothing to compute still runs them while transfers are pending (no forward
+then). Under ADP a step also runs (with padding) when a peer computes.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
-import torch
-
-from shoal.kv.block_keys import make_namespace
 from shoal.config import EngineConfig
-from shoal.connectors.base import ConnectorContext, ConnectorError, KVCacheRegistration
-from shoal.engine.transfers import KEEP_ALIVE, ConnectorManager
-from shoal.engine.executor import Executor
-from shoal.kv.kv_cache import KVCache, KVCacheLayout
-from shoal.kv.kv_cache_manager import KVCacheManager
-from shoal.model.llama import LlamaModel, Shard, rope_inv_freq
-from shoal.model.loader import load_model_source
+from shoal.engine.build import EngineInfo, build_engine_parts
 from shoal.engine.model_runner import ModelRunner
-from shoal.parallel.comm import SINGLE, Comm, ParallelInfo
-from shoal.request import Request
-from shoal.sampling import SamplingParams
-from shoal.engine.scheduler import Scheduler
+from shoal.engine.peers import Peers, StepVote
+from shoal.engine.scheduler import ScheduledBatch, Scheduler
+from shoal.engine.transfers import TransferReport, keep_alive
 from shoal.model.tokenizer import Tokenizer
+from shoal.request import NewRequest, Request, RequestOutput, RequestStatus, StepResult
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.0005  # pause of a step that only waits for transfers
 
 STAT_KEYS = (
     "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",
@@ -38,161 +45,226 @@ STAT_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What bring-up discovered."""
+class EngineLike(Protocol):
+    """What the driver thread runs: one rank's `Engine`, or a `Fleet` of rank processes."""
 
-    num_kv_blocks: int
-    block_nbytes: int
-    max_model_len: int
-    namespace: str  # hex of the block-key namespace
+    tokenizer: Tokenizer
+    info: EngineInfo
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add(self, new: NewRequest) -> str: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def step(self) -> StepResult: ...
+
+    def stats(self) -> dict: ...
+
+    def check_integrity(self) -> None: ...
+
+    def drain(self) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class _Executed:
+    """What executing one batch produced (on the executing thread)."""
+
+    sampled: list[int]  # one token per sampling chunk, in chunk order
+    transfers: TransferReport | None  # the connector's poll at the end of the step
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, info: ParallelInfo = SINGLE, comm: Comm | None = None,
-                 fleet_sync=None):
+    def __init__(self, config: EngineConfig, peers: Peers | None = None,
+                 on_stuck: Callable[[str], None] | None = None):
+        """`peers`: how this engine works with other ranks (shoal.parallel builds it; None:
+        one rank). `on_stuck(message)`: called from the watchdog's thread when a connector
+        hook blocks past transfer_timeout_sec (the engine's thread is stuck in it)."""
         self.config = config
-        self.comm = comm or Comm(info)
-        self.device = torch.device(config.device)
-        source = load_model_source(config.model)
-        self.model_config = source.config
-        self.tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
-        dtype = config.torch_dtype
-        if info.mode == "tp":
-            shard = Shard(info.rank, info.tp_size, self.comm.all_reduce_)
-        elif info.mode == "adp":
-            shard = Shard(info.rank, info.dp_size, self.comm.all_reduce_, self.comm.all_gather_)
-        else:
-            shard = Shard()
-        with torch.device("meta"):
-            model = LlamaModel(source.config, shard)
-        model = model.to_empty(device=self.device)
-        model.tie_weights_if_needed()
-        model.inv_freq.copy_(rope_inv_freq(source.config))
-        model.load_hf_state_dict(source.weights)
-        self.model = model.to(dtype).eval()
-        del source.weights
-
-        cfg = source.config
-        num_kv_heads = cfg.num_kv_heads // shard.attention_size
-        probe = KVCacheLayout(1, cfg.num_layers, config.block_size, num_kv_heads, cfg.head_dim,
-                              dtype)
-        num_blocks = config.num_kv_blocks or max(
-            int(config.kv_cache_gb * (1 << 30)) // probe.block_nbytes, 1)
-        layout = KVCacheLayout(num_blocks, cfg.num_layers, config.block_size, num_kv_heads,
-                               cfg.head_dim, dtype)
-        self.kv_cache = KVCache(layout, self.device)
-        identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
-                                   digest_size=16).hexdigest()
-        # TP ranks share block keys (each stores its shard under a shard key); the ADP owner
-        # is never part of a key: owners share the pool
-        namespace = make_namespace(identity, dtype, config.block_size, layout.layout_version,
-                                   tp_size=shard.size if shard.shards_attention else 1)
-        max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                            cfg.max_position_embeddings)
-        self.info = EngineInfo(num_blocks, layout.block_nbytes, max_model_len, namespace.hex())
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, namespace,
-                                         config.enable_prefix_caching)
-        self.connector = None
-        if config.kv_connector is not None:
-            self.connector = self._make_connector(config, info, namespace, layout)
+        self.peers = peers or Peers()
+        parts = build_engine_parts(config, self.peers, on_stuck)
+        self.model, self.tokenizer, self.info = parts.model, parts.tokenizer, parts.info
+        self.kv_cache, self.kv_manager = parts.kv_cache, parts.kv_manager
+        self.transfers = parts.transfers
+        self.eos_token_ids = parts.eos_token_ids
         self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
-                                   max_model_len, self.connector)
-        self.executor = Executor(self.scheduler, ModelRunner(self.model, self.kv_cache, self.device),
-                                 config.overlap_scheduler, self.connector, fleet_sync)
-        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+                                   self.info.max_model_len, self.transfers)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device)
+        self.overlap = config.overlap_scheduler
+        self._forward = (ThreadPoolExecutor(1, thread_name_prefix="shoal-forward")
+                         if self.overlap else None)
+        self._inflight: deque[tuple[ScheduledBatch, Future]] = deque()  # launched, not applied
+        self._forget_ids: list[str] = []  # runner state to drop once no step can need it
         self._ids = itertools.count()
         self._live: dict[str, Request] = {}  # request id -> request, until it is returned
-        self._rejected: list[Request] = []
+        self._rejected: list[Request] = []  # ended at add (returned by the next step)
+        self._held: list[Request] = []  # ended while a save of theirs is pending (SAVING)
+        self._num_streamed: dict[str, int] = {}  # rid -> output tokens handed out
+        self.num_iterations = 0
+        self.num_forward_passes = 0
+        self.forward_seconds = 0.0  # wall time of forwards (incl. sampling), executing thread
         self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",
                                       "local_prefix_hit_tokens"), 0)
-        log.info("engine ready: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
-                 num_blocks, config.block_size, num_blocks * layout.block_nbytes / 2**20,
-                 max_model_len)
 
-    def _make_connector(self, config: EngineConfig, info: ParallelInfo, namespace: bytes,
-                        layout: KVCacheLayout) -> ConnectorManager:
-        """ADP: every owner its own scheduler side and worker over one shared pool. TP: the
-        scheduler side on rank 0, a worker per rank (shoal.parallel.agreement)."""
-        ctx = ConnectorContext(rank=info.rank, world_size=info.world_size,
-                               owner_rank=info.rank if info.mode == "adp" else 0,
-                               num_owners=info.dp_size, shard_rank=info.rank if info.mode == "tp" else 0,
-                               num_shards=info.tp_size,
-                               block_size=config.block_size, namespace=namespace.hex(),
-                               device=str(self.device))
-        registration = KVCacheRegistration(self.kv_cache.tensor, layout)
-        if info.mode == "tp":
-            from shoal.parallel.agreement import TpConnectorManager
-            return TpConnectorManager(config.kv_connector, ctx, registration,
-                                      self.kv_manager.pool, self.comm)
-        return ConnectorManager(config.kv_connector, ctx, registration, self.kv_manager.pool)
+    # -- requests ------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, prompt: str | None = None,
-                    cache_salt: str | None = None) -> Request:
+    def add(self, new: NewRequest) -> str:
+        """Queue a request; returns its id. ValueError for an id in use or a token id outside
+        the vocabulary; one that can never run (empty, longer than the context or the cache)
+        ends with "error" at the next step."""
+        rid = new.request_id or f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        new.check_vocab(self.info.vocab_size)
+        sampling = new.sampling
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_token_ids)
-        req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling,
-                      frozenset(stop), cache_salt=cache_salt, prompt=prompt)
-        if req.request_id in self._live:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
-        error = self.scheduler.add(req)
-        if error is not None:
-            self.scheduler.finish(req, "error", error)
+        req = Request(rid, list(new.prompt_token_ids), sampling, frozenset(stop),
+                      cache_salt=new.cache_salt, prompt=new.prompt)
+        try:
+            self.scheduler.add(req)
+        except Exception as e:  # this request cannot run: it fails alone, never the engine
+            if not isinstance(e, ValueError):
+                log.exception("request %s could not be prepared", rid)
+            self.scheduler.finish(req, "error", f"{e}" if isinstance(e, ValueError) else
+                                  f"the request could not be prepared: {type(e).__name__}: {e}")
             self._rejected.append(req)
-        self._live[req.request_id] = req
-        return req
+        self._live[rid] = req
+        return rid
 
     def cancel(self, request_id: str) -> None:
         """End a request as "cancelled" (no-op if unknown or already ended). With a pending
         transfer it ends once that drains, within control_grace_sec."""
         req = self._live.get(request_id)
         if req is not None and not req.is_finished:
-            if self.executor.cancel(req):
+            if self.scheduler.cancel(req, defer_free=bool(self._inflight)):
                 self._rejected.append(req)  # returned by the next step
-        elif self.connector is not None:  # ended; a save of it may still be pending
-            self.connector.shorten_deadline(request_id)
+        elif self.transfers is not None:  # ended; a save of it may still be pending
+            self.transfers.shorten_deadline(request_id)
+
+    def live_requests(self) -> dict[str, Request]:
+        """Requests added and not yet returned by step(), by id."""
+        return self._live
 
     @property
     def has_work(self) -> bool:
-        return self.executor.has_work or bool(self._rejected)
+        return (self.scheduler.has_work or bool(self._inflight) or bool(self._rejected)
+                or self.failure is not None)
 
     @property
     def failure(self) -> str | None:
         """Why the engine stopped for good (a fatal connector failure), or None."""
-        return None if self.connector is None else self.connector.failure
+        return None if self.transfers is None else self.transfers.failure
 
-    def step(self) -> list[Request]:
-        """One executor step; returns the requests that ended (rejected ones included).
-        Raises ConnectorError once the connector failed (and on every later call); under
-        ADP the step's all-gather raises it on every owner instead."""
-        voted = self.executor.fleet_sync is not None
-        if self.failure is not None and not voted:
-            raise ConnectorError(self.failure)
-        finished, self._rejected = self._rejected, []
-        finished += self.executor.step().finished
-        if self.failure is not None and not voted:
-            raise ConnectorError(self.failure)
-        for req in finished:
-            self._live.pop(req.request_id, None)
-            self._counts["prompt_tokens"] += req.num_prompt_tokens
-            self._counts["generated_tokens"] += len(req.output_token_ids)
-            self._counts["local_prefix_hit_tokens"] += req.num_local_prefix_tokens or 0
-        return finished
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """schedule -> sync with peers -> execute -> update -> report. Raises ConnectorError
+        once the connector failed (the sync raises it; under ADP on every owner alike)."""
+        self.num_iterations += 1
+        batch = self.scheduler.schedule()
+        peers = self.peers.sync.exchange(StepVote(batch.num_tokens, self.has_work,
+                                                  batch.transfers.num_pending, self.failure))
+        # a step runs if it computes, polls transfers or pads for a peer that computes
+        runs = not batch.is_empty or batch.transfers.num_pending > 0 or peers.any_tokens
+        if runs:
+            self._launch(batch, peers.token_counts)
+        ended = self._update(keep=1 if self.overlap and runs else 0)
+        if batch.is_empty and batch.transfers.num_pending:
+            time.sleep(IDLE_POLL_SECONDS)  # only waiting for the connector: do not spin
+        return self._report(ended)
+
+    def _launch(self, batch: ScheduledBatch, token_counts: list[int]) -> None:
+        """Execute `batch`: here (plain loop) or on the forward thread (overlap loop)."""
+        # runner state of requests that ended before the step in flight was launched: that
+        # step may still read it; this one runs after it
+        forget, self._forget_ids = self._forget_ids, []
+        if self._forward is not None:
+            future = self._forward.submit(self._execute, batch, token_counts, forget)
+        else:
+            future = Future()
+            future.set_result(self._execute(batch, token_counts, forget))
+        self._inflight.append((batch, future))
+
+    def _execute(self, batch: ScheduledBatch, token_counts: list[int],
+                 forget_ids: list[str]) -> _Executed:
+        """One step's work on the executing thread: transfer hooks around the forward."""
+        for request_id in forget_ids:
+            self.runner.forget(request_id)
+        transfers = self.transfers
+        if transfers is not None:  # this owner's own plan (empty in a padding step)
+            transfers.begin_step(batch.transfers)
+        sampled = []
+        if not batch.is_empty or any(token_counts):
+            self.num_forward_passes += 1
+            start = time.perf_counter()
+            # padding rows never reach a connector: no layer hooks for a padding forward
+            hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty else None
+            sampled = self.runner.execute(batch, token_counts, hooks)
+            self.forward_seconds += time.perf_counter() - start
+        report = transfers.end_step(batch.transfers) if transfers is not None else None
+        return _Executed(sampled, report)
+
+    def _update(self, keep: int) -> list[Request]:
+        """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
+        requests that ended."""
+        ended = []
+        while len(self._inflight) > keep:
+            batch, future = self._inflight.popleft()
+            out = future.result()
+            outcome = None
+            if out.transfers is not None:
+                outcome = self.transfers.apply(batch.transfers, out.transfers)
+            # a step still in flight may write the blocks of requests ending now
+            done = self.scheduler.update(batch, out.sampled, bool(self._inflight), outcome)
+            self._forget_ids += [r.request_id for r in done]
+            ended += done
+        if not self._inflight:
+            self.scheduler.release_deferred()
+            for request_id in self._forget_ids:
+                self.runner.forget(request_id)
+            self._forget_ids = []
+        return ended
+
+    def _report(self, ended: list[Request]) -> StepResult:
+        """New tokens of live requests, and the requests that are done: ended with nothing
+        of theirs pending (one whose save is in flight is held until the save is reported,
+        as a generate() returns only after its saves)."""
+        result = StepResult()
+        for rid, req in self._live.items():
+            n = self._num_streamed.get(rid, 0)
+            if len(req.output_token_ids) > n:
+                result.new_tokens[rid] = req.output_token_ids[n:]
+                self._num_streamed[rid] = len(req.output_token_ids)
+        pending, self._rejected = [*self._held, *self._rejected, *ended], []
+        self._held = [r for r in pending if r.status == RequestStatus.SAVING]
+        for req in pending:
+            if req.status != RequestStatus.SAVING:
+                self._live.pop(req.request_id, None)
+                self._num_streamed.pop(req.request_id, None)
+                self._counts["prompt_tokens"] += req.num_prompt_tokens
+                self._counts["generated_tokens"] += len(req.output_token_ids)
+                self._counts["local_prefix_hit_tokens"] += req.num_local_prefix_tokens or 0
+                result.finished.append(RequestOutput.from_request(req))
+        return result
+
+    # -- the rest ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         s = dict.fromkeys(STAT_KEYS, 0)
         s.update(self._counts)
-        s["iterations"] = self.executor.num_iterations
-        s["forward_passes"] = self.executor.num_forward_passes
+        s["iterations"] = self.num_iterations
+        s["forward_passes"] = self.num_forward_passes
         s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
         s["preemptions"] = self.scheduler.num_preemptions
         s["cancellations"] = self.scheduler.num_cancellations
-        s["control_collectives"] = self.comm.num_control_collectives
-        s["control_seconds"] = self.comm.control_seconds
-        s["forward_seconds"] = self.executor.forward_seconds
+        s["forward_seconds"] = self.forward_seconds
         s["kv_blocks_used"] = sum(b.ref_count > 0 for b in self.kv_manager.pool.blocks)
-        if self.connector is not None:
-            s.update(self.connector.stats())
+        s.update(self.peers.counters())
+        if self.transfers is not None:
+            s.update(self.transfers.stats())
         for kind, moved in (("load", "bytes_loaded"), ("save", "bytes_saved")):
             secs = s[f"{kind}_seconds"]  # summed over I/O threads
             s[f"{kind}_gbps"] = s[moved] / secs / 1e9 if secs else 0.0
@@ -201,35 +273,35 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
-    def live_requests(self) -> dict[str, Request]:
-        """Requests added and not yet returned by step(), by id."""
-        return self._live
-
     def begin_drain(self) -> None:
         """Cancel every live request; every pending transfer gets at most control_grace_sec."""
         for rid in list(self._live):
             self.cancel(rid)
-        if self.connector is not None:
-            self.connector.shorten_all_deadlines()
+        if self.transfers is not None:
+            self.transfers.shorten_all_deadlines()
 
-    def drain(self) -> list[Request]:
-        """begin_drain, then step until nothing is pending. Returns the requests that ended
-        (none after a fatal failure: nothing is waited for then)."""
+    def drain(self) -> StepResult:
+        """begin_drain, then step until nothing is pending. Returns what those steps did
+        (nothing after a fatal failure: nothing is waited for then)."""
+        result = StepResult()
         if self.failure is not None:
-            return []
+            return result
         self.begin_drain()
-        ended = []
         while self.has_work:
-            ended += self.step()
-        return ended
+            result.merge(self.step())
+        return result
 
     def shutdown(self) -> None:
         """Drain, then stop. After a fatal failure nothing is waited for and the KV memory
         stays referenced for the life of the process (a copy may still write it)."""
         if self.failure is None:
             self.drain()
-        if self.failure is not None:
-            KEEP_ALIVE.append(self.kv_cache)
-        self.executor.shutdown(wait=self.failure is None)
-        if self.connector is not None:
-            self.connector.shutdown()
+        failed = self.failure is not None
+        if failed:
+            keep_alive(self.kv_cache)
+        else:  # finish the step in flight; after a failure it may be stuck in a hook
+            self._update(keep=0)
+        if self._forward is not None:
+            self._forward.shutdown(wait=not failed)
+        if self.transfers is not None:
+            self.transfers.shutdown()

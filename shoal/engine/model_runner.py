@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from shoal.kv.kv_cache import KVCache
+from shoal.kv.kv_cache_manager import cdiv
 from shoal.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
 from shoal.sampling import Sampler
 from shoal.engine.scheduler import ScheduledBatch
@@ -24,14 +25,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.last_sampled: dict[str, int] = {}  # request id -> its latest sampled token
 
-    def execute(self, batch: ScheduledBatch, layer_hooks=None) -> list[int]:
+    def execute(self, batch: ScheduledBatch, token_counts: list[int], layer_hooks=None) -> list[int]:
         """Run one step; returns one sampled token per sampling chunk, in chunk order.
-        `layer_hooks` (a connector worker) is called around every layer."""
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
+        `layer_hooks` (the connector's worker hooks) are called around every layer."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch, token_counts)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
             logits = self.model.compute_logits(hidden[sample_rows])
-        sampling = [c for c in batch.chunks if c.samples]
+        sampling = [c for c in batch.chunks if c.is_sampling]
         tokens = self.sampler.sample(logits, [c.request.request_id for c in sampling],
                                      [c.request.sampling for c in sampling])
         for chunk, token in zip(sampling, tokens):
@@ -43,7 +45,7 @@ class ModelRunner:
         self.last_sampled.pop(request_id, None)
         self.sampler.forget(request_id)
 
-    def _prepare(self, batch: ScheduledBatch):
+    def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -63,7 +65,7 @@ class ModelRunner:
             token_ids.extend(ids)
             positions.extend(range(chunk.start, end))
             slot_blocks.extend(chunk.block_ids[p // bs] for p in range(chunk.start, end))
-            num_blocks = -(-end // bs)
+            num_blocks = cdiv(end, bs)
             if chunk.num_tokens == 1:
                 decode_rows.append(row)
                 decode_tables.append(chunk.block_ids[:num_blocks])
@@ -71,7 +73,7 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSeq(row, chunk.num_tokens, end, torch.tensor(
                     chunk.block_ids[:num_blocks], dtype=torch.long, device=self.device)))
-            if chunk.samples:
+            if chunk.is_sampling:
                 sample_rows.append(row + chunk.num_tokens - 1)
         pos = torch.tensor(positions, dtype=torch.long)
         meta = AttentionMetadata(
@@ -79,7 +81,7 @@ class ModelRunner:
             slot_offsets=(pos % bs).to(self.device),
             decode_rows=None, decode_block_table=None, decode_mask=None,
             decode_context_len=max(decode_lens, default=0), prefills=prefills,
-            dp_token_counts=batch.dp_token_counts)
+            dp_token_counts=token_counts)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             table = [t + [0] * (width - len(t)) for t in decode_tables]  # pad with any block

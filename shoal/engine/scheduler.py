@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from shoal.engine.transfers import ConnectorManager, TransferReport
+from shoal.engine.transfers import NO_TRANSFERS, KVTransfers, TransferOutcome, TransferPlan
 from shoal.kv.kv_cache_manager import KVCacheManager, cdiv
 from shoal.request import Request, RequestStatus
 
@@ -22,7 +21,7 @@ class ScheduledChunk:
     token_ids: list[int]  # known ids of those positions; the trailing placeholders are missing
     num_placeholders: int  # trailing positions whose ids the step in flight samples (overlap)
     block_ids: list[int]  # snapshot of the request's blocks when scheduled
-    samples: bool  # the chunk reaches the end of the known tokens: sample one token
+    is_sampling: bool  # the chunk reaches the end of the known tokens: sample one token
     epoch: int  # request.num_preemptions when scheduled (a later preemption makes it stale)
 
 
@@ -32,35 +31,22 @@ class ScheduledBatch:
 
     chunks: list[ScheduledChunk]
     num_tokens: int  # sum of chunk.num_tokens (<= max_num_tokens)
-    num_preempted: int  # requests preempted while building this batch
-    connector_meta: Any = None  # the connector's plan for this step (None without one)
-    saving_ids: list[str] = field(default_factory=list)  # pending saves to poll after it
-    save_epochs: dict[str, int] = field(default_factory=dict)  # their episodes at launch
-    dp_token_counts: list[int] | None = None  # ADP: every owner's num_tokens this step
-    loading_ids: list[str] = field(default_factory=list)  # pending loads to poll after it
-    deadlines: dict[str, float] = field(default_factory=dict)  # of those transfers, at launch
+    transfers: TransferPlan = NO_TRANSFERS  # the connector's part of the step
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
 
-    @property
-    def is_padding(self) -> bool:
-        """ADP: nothing to compute here, but a peer computes, so this owner joins the forward
-        with zero tokens (no KV allocated, no connector call)."""
-        return self.is_empty and bool(self.dp_token_counts) and any(self.dp_token_counts)
-
-    @property
-    def has_transfers(self) -> bool:
-        """The connector has something to do or poll even if nothing is computed."""
-        return bool(self.saving_ids or self.loading_ids)
-
 
 class Scheduler:
+    """Which requests compute what in each step. Transfers (loads that admitted requests
+    wait for, saves that hold finished requests' blocks) are `transfers`' business: the
+    scheduler asks it at admission, when building a step, and when a request ends."""
+
     def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int,
-                 max_model_len: int, connector: ConnectorManager | None = None):
+                 max_model_len: int, transfers: KVTransfers | None = None):
         self.kv = kv
-        self.connector = connector
+        self.transfers = transfers
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
@@ -69,32 +55,28 @@ class Scheduler:
         self.max_request_len = min(max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: dict[str, Request] = {}  # WAITING_FOR_LOAD: blocks held, in no batch
-        self.saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
         self._deferred_free: list[Request] = []  # finished while a later step may touch blocks
-        self._cancelling: set[str] = set()  # cancelled while a load was pending
         self.num_preemptions = 0
         self.num_cancellations = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self.saving
-                    or (self.connector is not None and self.connector.has_pending_saves))
+        return bool(self.waiting or self.running
+                    or (self.transfers is not None and self.transfers.has_work))
 
-    def add(self, req: Request) -> str | None:
-        """Queue a request; returns an error message (and queues nothing) if it can never run."""
+    def add(self, req: Request) -> None:
+        """Queue a request; ValueError (and nothing queued) if it can never run."""
         if not req.prompt_token_ids:
-            return "the prompt is empty"
+            raise ValueError("the prompt is empty")
         if req.num_prompt_tokens > self.max_model_len:
-            return (f"the prompt has {req.num_prompt_tokens} tokens, more than the model's "
-                    f"context of {self.max_model_len}")
+            raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens, more than the "
+                             f"model's context of {self.max_model_len}")
         if req.num_prompt_tokens > self.max_request_len:
             need = cdiv(req.num_prompt_tokens, self.kv.block_size)
-            return (f"the prompt needs {need} KV blocks, more than the cache's "
-                    f"{self.kv.pool.num_blocks}")
+            raise ValueError(f"the prompt needs {need} KV blocks, more than the cache's "
+                             f"{self.kv.pool.num_blocks}")
         self.kv.update_block_keys(req)
         self.waiting.append(req)
-        return None
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_tokens
@@ -117,13 +99,15 @@ class Scheduler:
                 chunks.append(self._make_chunk(req, num_new))
                 budget -= num_new
                 i += 1
+        transfers = self.transfers
+        num_loading = 0 if transfers is None else transfers.num_loading
         while (self.waiting and budget > 0 and not num_preempted
-               and len(self.running) + len(self.loading) < self.max_batch_size):
+               and len(self.running) + num_loading < self.max_batch_size):
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0 and not req.block_ids, req.request_id
             hits = self.kv.find_cached_prefix(req)
             num_cached = len(hits) * self.kv.block_size
-            num_external = self.connector.match(req, num_cached)[0] if self.connector else 0
+            num_external = transfers.match(req, num_cached) if transfers else 0
             # A pool load fills its blocks first; the request computes from the next step on
             # (so a failed load is known before any forward reads those blocks).
             num_new = num_external or min(req.num_tokens - num_cached, budget)
@@ -133,26 +117,20 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_local_prefix_tokens is None:
                 req.num_local_prefix_tokens = num_cached
-            if self.connector:
-                self.connector.after_alloc(req, num_cached, num_external)
-            if num_external:
-                req.status = RequestStatus.WAITING_FOR_LOAD
-                self.loading[req.request_id] = req
-                continue
+            if transfers and transfers.admit(req, num_cached, num_external):
+                num_loading += 1
+                continue  # waits for its load, in no batch
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._make_chunk(req, num_new))
             budget -= num_new
-        batch = ScheduledBatch(chunks, self.max_num_tokens - budget, num_preempted)
-        if self.connector:
-            batch.connector_meta = self.connector.build_meta(chunks)
-            batch.save_epochs = self.connector.pending_saves()
-            batch.saving_ids, batch.loading_ids = list(batch.save_epochs), list(self.loading)
-            batch.deadlines = self.connector.deadlines([*batch.saving_ids, *batch.loading_ids])
-        return batch
+        plan = transfers.plan(chunks) if transfers else NO_TRANSFERS
+        return ScheduledBatch(chunks, self.max_num_tokens - budget, plan)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int], defer_free: bool) -> list[Request]:
-        """Apply a finished step: register computed blocks, append samples, finish requests.
+    def update(self, batch: ScheduledBatch, sampled: list[int], defer_free: bool,
+               outcome: TransferOutcome | None = None) -> list[Request]:
+        """Apply a finished step: register computed blocks, append samples, finish requests,
+        then the transfers' outcome. Returns the requests that ended.
 
         `sampled` holds one token per sampling chunk, in chunk order. With defer_free the
         blocks of requests finishing now are released at the next update (a step already in
@@ -165,7 +143,7 @@ class Scheduler:
             is_current = chunk.epoch == req.num_preemptions and req.status == RequestStatus.RUNNING
             if is_current:
                 self.kv.cache_computed_blocks(req, chunk.start + chunk.num_tokens)
-            if not chunk.samples:
+            if not chunk.is_sampling:
                 continue
             token = next(tokens)
             req.num_inflight_tokens -= 1
@@ -178,15 +156,15 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason, defer_free=defer_free)
                 finished.append(req)
+        if outcome is not None:
+            finished += self._apply(outcome, defer_free)
         return finished
 
     def finish(self, req: Request, reason: str, error: str | None = None,
                defer_free: bool = False) -> None:
-        """End a request: out of the queues, blocks released (now or at the next update)."""
-        if self.connector is not None and self.connector.is_loading(req.request_id):
-            # never free blocks a load may still write (its end comes through apply_transfers)
-            self.connector.fail("refused to free the blocks of a request whose load is still "
-                                "pending", req.request_id)
+        """End a request: out of the queues, blocks released (now or at the next update) or
+        held by a pending save. Refused (and fatal) while a load may write its blocks."""
+        if self.transfers is not None and not self.transfers.may_free(req):
             return
         req.finish_reason, req.error = reason, error
         req.metrics.finish_time = time.perf_counter()
@@ -194,90 +172,41 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        elif req.status == RequestStatus.WAITING_FOR_LOAD:
-            del self.loading[req.request_id]
-        if self.connector is not None and self.connector.on_finish(req):
-            req.status = RequestStatus.SAVING  # blocks stay held until the save is reported
-            self.saving[req.request_id] = req
-            return
+        if self.transfers is not None and self.transfers.on_finish(req):
+            return  # SAVING: the blocks stay held until the save is reported
         req.status = RequestStatus.FINISHED
         self._release(req, defer_free)
 
     def cancel(self, req: Request, defer_free: bool) -> bool:
         """End `req` as "cancelled"; True if it ended now (possibly SAVING: a pending save
         keeps its blocks pinned until it drains). A request whose load is pending keeps its
-        blocks and ends when the load drains (apply_transfers returns it then). Either way
-        the transfer gets at most the grace from now."""
-        if req.is_finished or req.request_id in self._cancelling:
+        blocks and ends when the load drains. Either way the transfer gets at most the grace
+        from now."""
+        transfers = self.transfers
+        if req.is_finished or (transfers is not None and transfers.is_cancelling(req.request_id)):
             return False
         self.num_cancellations += 1
-        loading = req.status == RequestStatus.WAITING_FOR_LOAD
-        if loading:
-            self._cancelling.add(req.request_id)
-        else:
+        ends_now = transfers is None or not transfers.defer_cancel(req)
+        if ends_now:
             self.finish(req, "cancelled", defer_free=defer_free)
-        if self.connector is not None:  # the load, or the saves pending now (incl. pinned)
-            self.connector.shorten_deadline(req.request_id)
-        return not loading
+        if transfers is not None:  # the load, or the saves pending now (incl. pinned)
+            transfers.shorten_deadline(req.request_id)
+        return ends_now
 
-    def apply_transfers(self, batch: ScheduledBatch, report: TransferReport,
-                        defer_free: bool) -> list[Request]:
-        """Finished loads join the running requests (or fail); finished saves release their
-        blocks; aborted transfers end their requests with an error. Returns requests that
-        ended here."""
-        ended = self._apply_aborts(report, defer_free)
-        for rid in sorted(report.finished_loading):
-            req = self.loading.get(rid)
-            if req is None:
-                continue  # reported by an earlier poll already (the overlap loop polls twice)
-            num_ok, error = self.connector.load_result(req, report)
-            if rid in self._cancelling:
-                self._cancelling.discard(rid)
-                self.finish(req, "cancelled", defer_free=defer_free)
-                ended.append(req)
-                continue
-            if error is not None:
-                self.finish(req, "error", error, defer_free)  # leaves self.loading there
-                ended.append(req)
-                continue
-            del self.loading[rid]
+    def _apply(self, outcome: TransferOutcome, defer_free: bool) -> list[Request]:
+        """Finished loads join the running requests; requests whose transfer ended them end;
+        finished saves release their blocks. Returns the requests that ended."""
+        for req, num_ok in outcome.loaded:
             req.status = RequestStatus.RUNNING
             req.num_connector_tokens = num_ok - req.num_computed_tokens
             req.num_computed_tokens = num_ok
             self.kv.cache_computed_blocks(req, num_ok)
             self.running.append(req)
-        for rid in sorted(report.finished_saving):
-            epoch = batch.save_epochs.get(rid)
-            if epoch is None or not self.connector.save_reported(rid, epoch):
-                continue  # not asked, or about an earlier episode
-            req = self.saving.pop(rid, None)
-            if req is not None:
-                req.status = RequestStatus.FINISHED
-                self._release(req, defer_free)
-        return ended
-
-    def _apply_aborts(self, report: TransferReport, defer_free: bool) -> list[Request]:
-        """The worker gave up these transfers (deadline passed; nothing of them runs now)."""
-        ended = []
-        for rid in sorted(report.aborted):
-            req = self.loading.get(rid)
-            if req is not None:
-                self.connector.load_aborted(rid)
-                cancelled = rid in self._cancelling
-                self._cancelling.discard(rid)
-                self.finish(req, "cancelled" if cancelled else "error",
-                            None if cancelled else "the KV load did not finish within its "
-                            "deadline and was aborted", defer_free)
-                ended.append(req)
-            if self.connector.save_aborted(rid):
-                req = self.saving.pop(rid, None)
-                if req is not None:  # its tokens stand; the save is what failed
-                    if req.finish_reason != "cancelled":
-                        req.finish_reason = "error"
-                        req.error = "the KV save did not finish within its deadline and was aborted"
-                    req.status = RequestStatus.FINISHED  # ended (and was returned) before
-                    self._release(req, defer_free)
-        return ended
+        for req, reason, error in outcome.ended:
+            self.finish(req, reason, error, defer_free)
+        for req in outcome.released:
+            self._release(req, defer_free)
+        return [req for req, _, _ in outcome.ended]
 
     def _release(self, req: Request, defer_free: bool) -> None:
         if req.block_ids and defer_free:
@@ -294,11 +223,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every block reference is held by exactly one live request; queues are consistent."""
         self.kv.check_integrity()
-        holders = [*self.running, *self._deferred_free, *self.loading.values(),
-                   *self.saving.values()]
-        refs = Counter(b for req in holders for b in req.block_ids)
-        if self.connector is not None:
-            refs.update(self.connector.pinned_block_refs())
+        refs = Counter(b for req in [*self.running, *self._deferred_free] for b in req.block_ids)
+        if self.transfers is not None:
+            refs.update(self.transfers.block_refs())
         for block in self.kv.pool.blocks:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, "
@@ -321,16 +248,16 @@ class Scheduler:
     def _make_chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
         token_ids = req.token_ids(start, end)
-        samples = end == req.num_known_tokens
+        is_sampling = end == req.num_known_tokens
         req.num_computed_tokens = end
-        if samples:
+        if is_sampling:
             req.num_inflight_tokens += 1
         return ScheduledChunk(req, start, num_new, token_ids, num_new - len(token_ids),
-                              list(req.block_ids), samples, req.num_preemptions)
+                              list(req.block_ids), is_sampling, req.num_preemptions)
 
     def _preempt(self, req: Request) -> None:
-        if self.connector is not None:
-            self.connector.on_preempt(req)
+        if self.transfers is not None:
+            self.transfers.on_preempt(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

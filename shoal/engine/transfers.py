@@ -1,7 +1,13 @@
-"""ConnectorManager: the engine's only caller of a connector, and its bookkeeping.
+"""KVTransfers: the engine's one owner of KV transfers, and the only caller of a connector.
 
-Per step, in both executor loops (scheduler side on the scheduling thread, worker side on
-the thread that runs the forward):
+Everything about a transfer lives here: which requests wait for a load (WAITING_FOR_LOAD)
+or hold their blocks for a save (SAVING), save episodes, pinned blocks, deadlines, aborts,
+cancels that wait for a load, and the failure policy. The scheduler asks a few questions
+(`match`, `admit`, `plan`, `apply`, `on_preempt`, `on_finish`, `defer_cancel`) and each
+step carries one `TransferPlan`.
+
+Per step, in both loops (scheduler side on the scheduling thread, worker side on the
+thread that runs the forward):
 
     scheduler side   get_num_new_matched_tokens / update_state_after_alloc (admissions)
                      build_connector_meta (every step, also when empty)
@@ -11,20 +17,21 @@ the thread that runs the forward):
                      -> wait_for_save -> clear_connector_meta
                      -> get_finished(saving_ids, loading_ids) -> get_failed_loads
 
-Blocks a transfer may touch stay held: a loading request keeps its blocks (it is in no
-batch and never preempted); a finished request whose save is pending keeps them until
-the worker reports it; a preempted request's blocks are pinned (an extra reference) until
-the request's final save report, because saves already enqueued may still read them.
+When are a request's blocks freed? A loading request keeps them (it is in no batch and
+never preempted) until its load is reported; a finished request whose save is pending
+keeps them (SAVING) until the save is reported; a preempted request's blocks are pinned
+(an extra reference) until its save episode ends, because saves already enqueued may
+still read them. Under TP (`Agreement`), rank 0's scheduler side answers for every rank
+and a transfer ends only when every rank's worker reports it.
 
 Failure policy (SPEC 6): every pending transfer has a deadline, set when it is first
 pending and never extended (a cancel or shutdown shortens it to the grace). An exception
 from any hook, a contract violation or an expired deadline (unless the worker supports
-abort) is fatal: the manager records `failure`, asks the connector nothing more, keeps
-every block held, and the engine stops with that message (a fleet votes it to every rank).
-An abort-capable worker's expired transfer is aborted and becomes its request's error.
-A hook call that does not return within transfer_timeout_sec is fatal too: the watchdog
-(shoal.connectors.watchdog) records it and tells `on_stuck`, since the thread that would
-raise is the one stuck in the hook.
+abort) is fatal: `failure` is recorded, the connector is asked nothing more, every block
+stays held, and the engine stops with that message (a fleet votes it to every rank). An
+abort-capable worker's expired transfer is aborted and becomes its request's error. A
+hook call that does not return within transfer_timeout_sec is fatal too: the watchdog
+records it and tells `on_stuck`, since the thread that would raise is stuck in the hook.
 """
 
 from __future__ import annotations
@@ -33,30 +40,54 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
-from shoal.kv.block_pool import BlockPool
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    RequestData, RequestView, SchedulerOutput)
 from shoal.connectors.registry import resolve_connector
 from shoal.connectors.watchdog import HookWatchdog
-from shoal.request import Request
+from shoal.engine.peers import Agreement
+from shoal.kv.block_pool import BlockPool
+from shoal.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
-# What a scheduler-side hook yields once the connector has failed (it is not asked again):
-# nothing matched, an empty plan, and a finished request keeps its blocks
-SAFE_ANSWERS = {"get_num_new_matched_tokens": (0, False), "update_state_after_alloc": None,
-                "build_connector_meta": None, "request_finished": True}
+T = TypeVar("T")
+NO_FAILURE = 1 << 62  # "no failed block" in an agreed minimum
 
-# Memory a copy may still touch after a fatal failure: kept referenced for the life of the
-# process, never freed or reused (a restart is required anyway)
-KEEP_ALIVE: list = []
+_KEEP_ALIVE: list = []
+
+
+def keep_alive(obj: Any) -> None:
+    """Keep memory a copy may still touch after a fatal failure referenced for the life of
+    the process: never freed or reused (a restart is required anyway)."""
+    _KEEP_ALIVE.append(obj)
+
+
+def is_kept_alive(obj: Any) -> bool:
+    return any(o is obj for o in _KEEP_ALIVE)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The transfers' part of one step, fixed when the step is scheduled."""
+
+    meta: Any = None  # the connector's plan (build_connector_meta); None without a connector
+    save_epochs: dict[str, int] = field(default_factory=dict)  # saves to poll, their episodes
+    loading_ids: tuple[str, ...] = ()  # loads to poll after the step
+    deadlines: dict[str, float] = field(default_factory=dict)  # of those transfers
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.save_epochs) + len(self.loading_ids)
+
+
+NO_TRANSFERS = TransferPlan()
 
 
 @dataclass
 class TransferReport:
-    """What the worker side said at the end of a step (produced on the executing thread)."""
+    """What the workers said at the end of a step (agreed over TP ranks)."""
 
     finished_saving: set[str] = field(default_factory=set)
     finished_loading: set[str] = field(default_factory=set)
@@ -64,81 +95,73 @@ class TransferReport:
     aborted: set[str] = field(default_factory=set)  # transfers aborted at their deadline
 
 
-class ConnectorManager:
-    """`lead`: this process runs the connector's scheduler side (under TP only rank 0 does;
-    see shoal.parallel.agreement)."""
+@dataclass
+class TransferOutcome:
+    """What the scheduler does with a report."""
 
-    def __init__(self, config: ConnectorConfig, ctx: ConnectorContext, registration:
-                 KVCacheRegistration, pool: BlockPool, lead: bool = True):
-        scheduler_cls, worker_cls = resolve_connector(config)
-        if ctx.num_owners > 1:
-            for cls in (scheduler_cls, worker_cls):
-                if not getattr(cls, "supports_attention_dp", False):
-                    raise ValueError(f"connector class {cls.__module__}.{cls.__qualname__} does "
-                                     "not declare supports_attention_dp = True")
+    loaded: list[tuple[Request, int]] = field(default_factory=list)  # runs from n computed
+    ended: list[tuple[Request, str, str | None]] = field(default_factory=list)  # reason, error
+    released: list[Request] = field(default_factory=list)  # saves done: free the blocks
+
+
+@dataclass
+class _Load:
+    request: Request
+    num_cached: int  # tokens from the local prefix cache
+    num_external: int  # tokens the load brings after them
+    is_cancelled: bool = False  # cancelled while pending: ends once the load drains
+
+
+class KVTransfers:
+    def __init__(self, config: ConnectorConfig, ctx: ConnectorContext,
+                 registration: KVCacheRegistration, pool: BlockPool, agreement: Agreement,
+                 on_stuck: Callable[[str], None] | None = None):
+        scheduler_cls, worker_cls = resolve_connector(config, attention_dp=ctx.num_owners > 1)
         self.config = config
         self.ctx = ctx
         self.pool = pool
-        self.scheduler = scheduler_cls(config, ctx) if lead else None
+        self.agreement = agreement
+        self.scheduler = scheduler_cls(config, ctx) if agreement.is_lead else None
         self.worker = worker_cls(config, ctx)
         self.worker.register_kv_caches(registration)
-        self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
-        self._load_plans: dict[str, tuple[int, int]] = {}  # rid -> (num_cached, num_external)
-        self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
-        self._save_epochs: dict[str, int] = {}  # rid -> episode of its pending save report
-        self._pending_new: list[Request] = []  # admitted for a load this step (0 tokens)
-        self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
         self.failure: str | None = None  # the first fatal failure: the engine must stop
-        self._aborted: set[str] = set()  # aborted; the scheduler may not know yet (overlap)
-        self.layer_hooks = _LayerHooks(self)  # what the forward calls per layer
-        # told (from the watchdog's thread) when a hook call blocks: the engine's owner
-        # fails what waits on the stuck engine (LLM: its handles; a rank: the process)
-        self.on_stuck: Callable[[str], None] | None = None
+        # told (from the watchdog's thread) when a hook call blocks: the engine's owner fails
+        # what waits on the stuck engine (LLM: its handles; a rank: the process)
+        self.on_stuck = on_stuck
         self._watchdog = HookWatchdog(config.transfer_timeout_sec, self._hook_stuck)
+        self.layer_hooks = _LayerHooks(self)
+        self._loads: dict[str, _Load] = {}  # WAITING_FOR_LOAD: blocks held, in no batch
+        self._saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
+        self._save_epochs: dict[str, int] = {}  # rid -> episode of its pending save report
+        self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
+        self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
+        self._new_loads: list[Request] = []  # admitted for a load since the last plan
+        self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
+        self._aborted: set[str] = set()  # aborted; a plan launched before may still list them
+        self._saved: dict[str, int] = {}  # rid -> save episode this rank's worker finished
+        self._loaded: set[str] = set()  # loads this rank's worker finished
+        self._failed: dict[str, int] = {}  # ... of which failed, from this block index on
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
         self.num_deadline_expiries = 0
         self.num_aborted = 0
 
-    # -- scheduler side ------------------------------------------------------------------
+    # -- what the scheduler asks ----------------------------------------------------------
 
-    def fail(self, what: str, request_id: str | None = None) -> None:
-        """Record a fatal failure (the first one counts); the engine stops at its next check."""
-        if self.failure is not None:
-            return
-        about = f", request {request_id}" if request_id else ""
-        self.failure = (f"KV connector failure (owner {self.ctx.owner_rank}, rank {self.ctx.rank}"
-                        f"{about}): {what}. The engine must be restarted.")
-        log.error("%s", self.failure)
+    @property
+    def has_work(self) -> bool:
+        return bool(self._loads or self._saving or self._save_epochs)
 
-    def _ask(self, hook: str, *args):
-        """Call a scheduler-side hook (TP: on rank 0, the answer broadcast to every rank)."""
-        if self.failure is not None:
-            return SAFE_ANSWERS[hook]
-        token = self._watchdog.enter(hook)
-        try:
-            return getattr(self.scheduler, hook)(*args)
-        except Exception as e:
-            rid = args[0].request_id if args and isinstance(args[0], RequestView) else None
-            self.fail(f"{hook} raised {type(e).__name__}: {e}", rid)
-            return SAFE_ANSWERS[hook]
-        finally:
-            self._watchdog.leave(token)
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
 
-    def _hook_stuck(self, hook: str) -> None:
-        self.fail(f"{hook} did not return within transfer_timeout_sec="
-                  f"{self.config.transfer_timeout_sec:g} (a connector hook must not block)")
-        if self.on_stuck is not None:
-            self.on_stuck(self.failure)
-
-    def view(self, req: Request) -> RequestView:
-        num_full = req.num_prompt_tokens // self.ctx.block_size
-        return RequestView(req.request_id, tuple(req.prompt_token_ids), req.cache_salt,
-                           tuple(req.block_keys[:num_full]), self.ctx.owner_rank)
-
-    def match(self, req: Request, num_computed: int) -> tuple[int, bool]:
+    def match(self, req: Request, num_computed: int) -> int:
         """Pool tokens beyond the local prefix hit, validated against the contract."""
-        num, is_async = self._ask("get_num_new_matched_tokens", self.view(req), num_computed)
+        num, is_async = self._ask(
+            "get_num_new_matched_tokens",
+            lambda s: s.get_num_new_matched_tokens(self._view(req), num_computed), (0, False),
+            req.request_id)
         limit = req.num_prompt_tokens - 1 - num_computed
         if num == 0 and is_async:
             self.fail("get_num_new_matched_tokens answered (0, True): an async load of nothing",
@@ -147,38 +170,78 @@ class ConnectorManager:
             self.fail(f"get_num_new_matched_tokens offered {num} tokens; at most {limit} are "
                       "allowed (never the last prompt token)", req.request_id)
         else:
-            return num, is_async
-        return 0, False
+            return num
+        return 0
 
-    def after_alloc(self, req: Request, num_cached: int, num_external: int) -> None:
-        self._ask("update_state_after_alloc", self.view(req), list(req.block_ids))
-        if num_external:
-            self._load_plans[req.request_id] = (num_cached, num_external)
-            self._pending_new.append(req)
-            self._start_deadline(req.request_id)
+    def admit(self, req: Request, num_cached: int, num_external: int) -> bool:
+        """Blocks were allocated for `req`. True: it waits here for its load (WAITING_FOR_LOAD)
+        and computes from the step after the load is reported."""
+        block_ids = list(req.block_ids)
+        self._ask("update_state_after_alloc",
+                  lambda s: s.update_state_after_alloc(self._view(req), block_ids), None,
+                  req.request_id)
+        if not num_external:
+            return False
+        req.status = RequestStatus.WAITING_FOR_LOAD
+        self._loads[req.request_id] = _Load(req, num_cached, num_external)
+        self._new_loads.append(req)
+        self._start_deadline(req.request_id)
+        return True
 
-    def build_meta(self, chunks) -> Any:
-        """The connector's plan for a step that computes `chunks` (ScheduledChunk list)."""
+    def plan(self, chunks) -> TransferPlan:
+        """The transfers of a step that computes `chunks` (ScheduledChunk list)."""
         new, cached = [], []
-        for req in self._pending_new:  # admitted for a load: in the output with 0 tokens
+        for req in self._new_loads:  # admitted for a load: in the output with 0 tokens
             new.append(self._request_data(req, (), req.num_computed_tokens, 0, req.block_ids)[0])
-        self._pending_new = []
+        self._new_loads = []
         for c in chunks:
             rd, seen = self._request_data(c.request, c.token_ids, c.start, c.num_tokens,
                                           c.block_ids)
             (cached if seen else new).append(rd)
         out = SchedulerOutput(tuple(new), tuple(cached), self.ctx.owner_rank)
-        return self._ask("build_connector_meta", out)
+        meta = self._ask("build_connector_meta", lambda s: s.build_connector_meta(out), None)
+        pending = [*self._save_epochs, *self._loads]
+        return TransferPlan(meta, dict(self._save_epochs), tuple(self._loads),
+                            {rid: self._deadlines.get(rid, math.inf) for rid in pending})
 
-    def _request_data(self, req: Request, token_ids, computed: int, num_scheduled: int,
-                      block_ids: list[int]) -> tuple[RequestData, bool]:
-        """The request's part of this step, and whether the connector has seen it before."""
-        seen = self._num_reported_blocks.get(req.request_id)
-        self._num_reported_blocks[req.request_id] = len(block_ids)
-        num_full = req.num_prompt_tokens // self.ctx.block_size
-        rd = RequestData(req.request_id, tuple(token_ids), tuple(block_ids[seen or 0:]), computed,
-                         num_scheduled, tuple(req.block_keys[:num_full]))
-        return rd, seen is not None
+    def apply(self, plan: TransferPlan, report: TransferReport) -> TransferOutcome:
+        """A step's report: finished loads run (or end), finished or aborted saves release
+        their blocks, aborted loads end their requests."""
+        out = TransferOutcome()
+        for rid in sorted(report.aborted):  # nothing of these runs any more
+            load = self._end_load(rid)
+            if load is not None:
+                out.ended.append((load.request, "cancelled", None) if load.is_cancelled else
+                                 (load.request, "error", "the KV load did not finish within "
+                                  "its deadline and was aborted"))
+            if self._end_save_episode(rid):
+                req = self._saving.pop(rid, None)
+                if req is not None:  # its tokens stand; the save is what failed
+                    if req.finish_reason != "cancelled":
+                        req.finish_reason = "error"
+                        req.error = "the KV save did not finish within its deadline and was aborted"
+                    out.released.append(req)
+        for rid in sorted(report.finished_loading):
+            load = self._end_load(rid)
+            if load is None:
+                continue  # reported by an earlier poll already (the overlap loop polls twice)
+            num_ok, error = self._load_result(load, report.failed_loads.get(rid))
+            if load.is_cancelled or error is not None:
+                out.ended.append((load.request, "cancelled" if load.is_cancelled else "error",
+                                  None if load.is_cancelled else error))
+            else:
+                out.loaded.append((load.request, num_ok))
+        for rid in sorted(report.finished_saving):
+            epoch = plan.save_epochs.get(rid)
+            if epoch is None or self._save_epochs.get(rid) != epoch:
+                continue  # not asked, or about an earlier episode
+            self._end_save_episode(rid)
+            req = self._saving.pop(rid, None)
+            if req is not None:
+                out.released.append(req)
+        for req in out.released:
+            req.status = RequestStatus.FINISHED  # ended (and was returned) before
+        return out
 
     def on_preempt(self, req: Request) -> None:
         """Before the scheduler frees a preempted request's blocks: saves already enqueued may
@@ -188,34 +251,53 @@ class ConnectorManager:
             self._pins.setdefault(req.request_id, []).extend(req.block_ids)
             self._new_save_episode(req.request_id)
 
+    def is_loading(self, request_id: str) -> bool:
+        """A load of the request is pending: it may still write the request's blocks."""
+        return request_id in self._loads
+
+    def may_free(self, req: Request) -> bool:
+        """False (and fatal) if a load may still write the request's blocks: ordinary
+        cleanup of such a request is refused; its end comes through `apply`."""
+        if self.is_loading(req.request_id):
+            self.fail("refused to free the blocks of a request whose load is still pending",
+                      req.request_id)
+            return False
+        return True
+
     def on_finish(self, req: Request) -> bool:
-        """request_finished for requests the connector saw. True = keep the blocks until the
-        worker reports the save finished."""
+        """A request ends (request_finished, if the connector saw it). True: a save still
+        reads its blocks; they stay held here (SAVING) until the save is reported."""
         seen = self._num_reported_blocks.pop(req.request_id, None) is not None
-        self._load_plans.pop(req.request_id, None)
         if not seen and req.request_id not in self._pins:
             return False
-        if self._ask("request_finished", self.view(req), list(req.block_ids)):
-            self._new_save_episode(req.request_id)
-            return True
-        return False
+        block_ids = list(req.block_ids)
+        if not self._ask("request_finished",
+                         lambda s: s.request_finished(self._view(req), block_ids), True,
+                         req.request_id):
+            return False
+        self._new_save_episode(req.request_id)
+        req.status = RequestStatus.SAVING
+        self._saving[req.request_id] = req
+        return True
 
-    def _new_save_episode(self, request_id: str) -> None:
-        # A report counts only for the episode that was pending when its step was launched:
-        # the overlap loop applies a step's poll after the next step was scheduled.
-        self._save_epochs[request_id] = self._save_epochs.get(request_id, 0) + 1
-        self._start_deadline(request_id)
+    def is_cancelling(self, request_id: str) -> bool:
+        load = self._loads.get(request_id)
+        return load is not None and load.is_cancelled
+
+    def defer_cancel(self, req: Request) -> bool:
+        """A cancel: True if the request's load is pending (it ends once the load drains)."""
+        load = self._loads.get(req.request_id)
+        if load is not None:
+            load.is_cancelled = True
+        return load is not None
+
+    def block_refs(self) -> list[int]:
+        """Every block reference held here (loading and saving requests, pins)."""
+        held = [*(load.request for load in self._loads.values()), *self._saving.values()]
+        return [b for req in held for b in req.block_ids] + \
+            [b for blocks in self._pins.values() for b in blocks]
 
     # -- deadlines ---------------------------------------------------------------------------
-
-    def _start_deadline(self, request_id: str) -> None:
-        """A transfer of the request is pending from now (an earlier deadline stands)."""
-        self._deadlines.setdefault(request_id,
-                                   time.monotonic() + self.config.transfer_timeout_sec)
-
-    def _end_deadline(self, request_id: str) -> None:
-        if request_id not in self._load_plans and request_id not in self._save_epochs:
-            self._deadlines.pop(request_id, None)
 
     def shorten_deadline(self, request_id: str) -> None:
         """A cancel or shutdown: the request's pending transfers get at most the grace."""
@@ -227,92 +309,81 @@ class ConnectorManager:
         for rid in list(self._deadlines):
             self.shorten_deadline(rid)
 
-    def deadlines(self, request_ids) -> dict[str, float]:
-        """A snapshot for a step (read on the executing thread)."""
-        return {rid: self._deadlines.get(rid, math.inf) for rid in request_ids}
+    def _start_deadline(self, request_id: str) -> None:
+        """A transfer of the request is pending from now (an earlier deadline stands)."""
+        self._deadlines.setdefault(request_id,
+                                   time.monotonic() + self.config.transfer_timeout_sec)
 
-    def is_loading(self, request_id: str) -> bool:
-        """A load of the request is pending: it may still write the request's blocks."""
-        return request_id in self._load_plans
+    def _end_deadline(self, request_id: str) -> None:
+        if request_id not in self._loads and request_id not in self._save_epochs:
+            self._deadlines.pop(request_id, None)
 
-    @property
-    def has_pending_saves(self) -> bool:
-        return bool(self._save_epochs)
+    # -- episodes and loads ------------------------------------------------------------------
 
-    def pending_saves(self) -> dict[str, int]:
-        """Request id -> save episode, for every request whose saves must be reported."""
-        return dict(self._save_epochs)
+    def _new_save_episode(self, request_id: str) -> None:
+        # A report counts only for the episode that was pending when its step was launched:
+        # the overlap loop applies a step's poll after the next step was scheduled.
+        self._save_epochs[request_id] = self._save_epochs.get(request_id, 0) + 1
+        self._start_deadline(request_id)
 
-    def save_reported(self, request_id: str, epoch: int) -> bool:
-        """A finished-saving report for `epoch`; True if it ends the pending episode (its pins
-        are released; the caller releases a finished request's own blocks)."""
-        if self._save_epochs.get(request_id) != epoch:
-            return False
-        return self.save_aborted(request_id)
-
-    def save_aborted(self, request_id: str) -> bool:
-        """The request's pending save episode ends (reported, or aborted by the worker:
-        nothing of it runs any more); its pins are released. False if none was pending."""
+    def _end_save_episode(self, request_id: str) -> bool:
+        """The request's pending save episode ends (reported, or aborted: nothing of it runs
+        any more); its pins are released. False if none was pending."""
         if self._save_epochs.pop(request_id, None) is None:
             return False
         self.pool.free(self._pins.pop(request_id, []))
         self._end_deadline(request_id)
         return True
 
-    def load_aborted(self, request_id: str) -> None:
-        self._load_plans.pop(request_id, None)
+    def _end_load(self, request_id: str) -> _Load | None:
+        load = self._loads.pop(request_id, None)
         self._end_deadline(request_id)
+        return load
 
-    def pinned_block_refs(self) -> list[int]:
-        return [b for blocks in self._pins.values() for b in blocks]
-
-    def load_result(self, req: Request, report: TransferReport) -> tuple[int, str | None]:
-        """(tokens with valid KV after the load, error) for a request whose load finished.
-        A failed block and everything after it is recomputed (or, with policy "fail", the
-        request ends with an error)."""
-        num_cached, num_external = self._load_plans.pop(req.request_id)
-        self._end_deadline(req.request_id)
-        bad = report.failed_loads.get(req.request_id)
+    def _load_result(self, load: _Load, bad: int | None) -> tuple[int, str | None]:
+        """(tokens with valid KV after the load, error). A failed block and everything after
+        it is recomputed (or, with policy "fail", the request ends with an error)."""
         if bad is None:
-            num_ok = num_cached + num_external
+            num_ok = load.num_cached + load.num_external
         elif self.config.load_failure_policy == "fail":
-            return num_cached, f"KV load from the pool failed at block {bad}"
+            return load.num_cached, f"KV load from the pool failed at block {bad}"
         else:
             self.num_load_failures_recomputed += 1
-            num_ok = min(max(bad * self.ctx.block_size, num_cached), num_cached + num_external)
-        self.num_connector_tokens_loaded += num_ok - num_cached
+            num_ok = min(max(bad * self.ctx.block_size, load.num_cached),
+                         load.num_cached + load.num_external)
+        self.num_connector_tokens_loaded += num_ok - load.num_cached
         return num_ok, None
 
-    # -- worker side (the executing thread) ------------------------------------------------
+    def _view(self, req: Request) -> RequestView:
+        num_full = req.num_prompt_tokens // self.ctx.block_size
+        return RequestView(req.request_id, tuple(req.prompt_token_ids), req.cache_salt,
+                           tuple(req.block_keys[:num_full]), self.ctx.owner_rank)
 
-    def _work(self, hook: str, *args):
-        """Call a worker hook; an exception is fatal, and a failed connector is not called."""
-        if self.failure is not None:
-            return None
-        token = self._watchdog.enter(f"worker {hook}")
-        try:
-            return getattr(self.worker, hook)(*args)
-        except Exception as e:
-            self.fail(f"worker {hook} raised {type(e).__name__}: {e}")
-            return None
-        finally:
-            self._watchdog.leave(token)
+    def _request_data(self, req: Request, token_ids, computed: int, num_scheduled: int,
+                      block_ids: list[int]) -> tuple[RequestData, bool]:
+        """The request's part of this step, and whether the connector has seen it before."""
+        seen = self._num_reported_blocks.get(req.request_id)
+        self._num_reported_blocks[req.request_id] = len(block_ids)
+        num_full = req.num_prompt_tokens // self.ctx.block_size
+        rd = RequestData(req.request_id, tuple(token_ids), tuple(block_ids[seen or 0:]), computed,
+                         num_scheduled, tuple(req.block_keys[:num_full]))
+        return rd, seen is not None
 
-    def begin_step(self, meta: Any) -> None:
-        self._work("bind_connector_meta", meta)
-        self._work("start_load_kv")
+    # -- the worker side (the executing thread) ------------------------------------------------
 
-    def end_step(self, save_epochs: dict[str, int], loading_ids: list[str],
-                 deadlines: dict[str, float]) -> TransferReport:
-        """After the forward: saves enqueued, then a poll over the pending transfers
-        (`save_epochs`: the pending saves and their episodes when the step was launched;
-        `deadlines`: their deadlines then). Expired ones are aborted or fatal."""
-        self._work("wait_for_save")
-        self._work("clear_connector_meta")
-        report, expired = self._poll(save_epochs, loading_ids, deadlines)
+    def begin_step(self, plan: TransferPlan) -> None:
+        self._work("bind_connector_meta", lambda w: w.bind_connector_meta(plan.meta))
+        self._work("start_load_kv", lambda w: w.start_load_kv())
+
+    def end_step(self, plan: TransferPlan) -> TransferReport:
+        """After the forward: saves enqueued, then a poll over the transfers pending when the
+        step was launched. Expired ones are aborted or fatal."""
+        self._work("wait_for_save", lambda w: w.wait_for_save())
+        self._work("clear_connector_meta", lambda w: w.clear_connector_meta())
+        report, expired = self._poll(plan)
         # the overlap loop launches a step before the last one's report is applied: a
         # transfer aborted there may still be listed as pending once
-        self._aborted.intersection_update((*save_epochs, *loading_ids))
+        self._aborted.intersection_update((*plan.save_epochs, *plan.loading_ids))
         expired = [rid for rid in expired if rid not in self._aborted]
         if expired:
             self.num_deadline_expiries += len(expired)
@@ -322,7 +393,7 @@ class ConnectorManager:
             if not self.worker.supports_abort:
                 self.fail(what, expired[0])
             else:
-                self._work("abort", expired)
+                self._work("abort", lambda w: w.abort(expired))
                 if self.failure is None:
                     log.warning("%s: aborted %s", what, expired)
                     self.num_aborted += len(expired)
@@ -330,17 +401,89 @@ class ConnectorManager:
                     report.aborted.update(expired)
         return report
 
-    def _poll(self, save_epochs: dict[str, int], loading_ids: list[str],
-              deadlines: dict[str, float]) -> tuple[TransferReport, list[str]]:
-        """This rank's poll, and the still-pending transfers past their deadline."""
-        answer = self._work("get_finished", list(save_epochs), list(loading_ids))
-        saved, loaded = answer if answer is not None else ((), ())
-        report = TransferReport(set(saved), set(loaded), dict(self._work("get_failed_loads") or {}))
-        now = time.monotonic()
-        expired = [rid for rid in (*save_epochs, *loading_ids)
-                   if rid not in report.finished_saving and rid not in report.finished_loading
-                   and deadlines.get(rid, math.inf) < now]
+    def _poll(self, plan: TransferPlan) -> tuple[TransferReport, list[str]]:
+        """This rank's poll, agreed with its peers (done where every rank is done, expired
+        where any expired, failed from the first block any rank failed), and the transfers
+        still pending past their deadline."""
+        saves, loads = plan.save_epochs, plan.loading_ids
+        ask_save = [rid for rid, epoch in saves.items() if self._saved.get(rid) != epoch]
+        ask_load = [rid for rid in loads if rid not in self._loaded]
+        saved, loaded = self._work("get_finished", lambda w: w.get_finished(ask_save, ask_load),
+                                   ((), ()))
+        self._saved.update((rid, saves[rid]) for rid in saved if rid in saves)
+        self._loaded.update(rid for rid in loaded if rid in loads)
+        self._failed.update(self._work("get_failed_loads", lambda w: w.get_failed_loads(), {}) or {})
+        pending, now = [*saves, *loads], time.monotonic()
+        flags = ([int(self._saved.get(rid) == epoch) for rid, epoch in saves.items()]
+                 + [int(rid in self._loaded) for rid in loads]
+                 + [self._failed.get(rid, NO_FAILURE) for rid in loads]
+                 + [int(plan.deadlines.get(rid, math.inf) >= now) for rid in pending])
+        if not flags:  # the same on every rank: nothing pending, nothing to agree on
+            return TransferReport(), []
+        agreed = self.agreement.agree_min(flags)
+        n, m = len(saves), len(loads)
+        report = TransferReport()
+        for rid, done in zip(saves, agreed):
+            if done:
+                report.finished_saving.add(rid)
+                del self._saved[rid]
+        for i, rid in enumerate(loads):
+            if agreed[n + i]:
+                report.finished_loading.add(rid)
+                self._loaded.discard(rid)
+                self._failed.pop(rid, None)
+                if agreed[n + m + i] != NO_FAILURE:
+                    report.failed_loads[rid] = agreed[n + m + i]
+        expired = [rid for rid, ok in zip(pending, agreed[n + 2 * m:]) if not ok
+                   and rid not in report.finished_saving and rid not in report.finished_loading]
         return report, list(dict.fromkeys(expired))
+
+    # -- calling the connector under the failure policy -------------------------------------
+
+    def fail(self, what: str, request_id: str | None = None) -> None:
+        """Record a fatal failure (the first one counts); the engine stops at its next step."""
+        if self.failure is not None:
+            return
+        about = f", request {request_id}" if request_id else ""
+        self.failure = (f"KV connector failure (owner {self.ctx.owner_rank}, rank {self.ctx.rank}"
+                        f"{about}): {what}. The engine must be restarted.")
+        log.error("%s", self.failure)
+
+    def _ask(self, hook: str, call: Callable[[Any], T], safe: T,
+             request_id: str | None = None) -> T:
+        """A scheduler-side hook, asked on the lead rank; every rank gets its answer and its
+        failure. `safe` is the answer once the connector failed (it is not asked again)."""
+        answer = None
+        if self.agreement.is_lead:
+            answer = (self._guarded(hook, lambda: call(self.scheduler), safe, request_id),
+                      self.failure)
+        value, failure = self.agreement.share(answer)
+        if failure is not None and self.failure is None:
+            self.failure = failure
+        return value
+
+    def _work(self, hook: str, call: Callable[[Any], T], safe: T = None) -> T:
+        return self._guarded(f"worker {hook}", lambda: call(self.worker), safe)
+
+    def _guarded(self, hook: str, fn: Callable[[], T], safe: T, request_id: str | None = None) -> T:
+        """fn() unless the connector failed; an exception is fatal; a call that blocks past
+        transfer_timeout_sec is seen by the watchdog."""
+        if self.failure is not None:
+            return safe
+        token = self._watchdog.enter(hook)
+        try:
+            return fn()
+        except Exception as e:
+            self.fail(f"{hook} raised {type(e).__name__}: {e}", request_id)
+            return safe
+        finally:
+            self._watchdog.leave(token)
+
+    def _hook_stuck(self, hook: str) -> None:
+        self.fail(f"{hook} did not return within transfer_timeout_sec="
+                  f"{self.config.transfer_timeout_sec:g} (a connector hook must not block)")
+        if self.on_stuck is not None:
+            self.on_stuck(self.failure)
 
     # -- both --------------------------------------------------------------------------------
 
@@ -356,7 +499,7 @@ class ConnectorManager:
         self._watchdog.stop()
         if self.failure is not None:
             # a copy may still be running: keep the connector and its memory, wait for nothing
-            KEEP_ALIVE.append(self)
+            keep_alive(self)
             return
         self.worker.shutdown()
         if self.scheduler is not None:
@@ -366,11 +509,11 @@ class ConnectorManager:
 class _LayerHooks:
     """The per-layer worker hooks, as the forward calls them (exceptions are fatal)."""
 
-    def __init__(self, manager: ConnectorManager):
-        self._manager = manager
+    def __init__(self, transfers: KVTransfers):
+        self._transfers = transfers
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
-        self._manager._work("wait_for_layer_load", layer_idx)
+        self._transfers._work("wait_for_layer_load", lambda w: w.wait_for_layer_load(layer_idx))
 
     def save_kv_layer(self, layer_idx: int) -> None:
-        self._manager._work("save_kv_layer", layer_idx)
+        self._transfers._work("save_kv_layer", lambda w: w.save_kv_layer(layer_idx))

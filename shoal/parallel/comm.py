@@ -9,42 +9,28 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
-class ParallelInfo:
-    """Where this process sits in the fleet (what the model and scheduler are told)."""
-
-    rank: int
-    world_size: int
-    tp_size: int  # ranks sharing attention heads and the MLP of the same requests
-    dp_size: int  # attention data-parallel owners
-    mode: str  # "single" | "tp" | "adp"
-
-
-SINGLE = ParallelInfo(rank=0, world_size=1, tp_size=1, dp_size=1, mode="single")
-
-
 class Comm:
     """Collectives over one process group (a no-op world of one when not initialised)."""
 
-    def __init__(self, info: ParallelInfo, backend: str | None = None,
+    def __init__(self, rank: int = 0, world_size: int = 1, backend: str | None = None,
                  init_method: str | None = None, timeout_s: float = 600.0):
-        self.info = info
+        self.rank = rank
+        self.world_size = world_size
         self.num_control_collectives = 0  # per-step gathers and request broadcasts
         self.num_broadcasts = 0  # of which request broadcasts
         self.num_data_collectives = 0  # all-reduces inside the forward
         self.control_seconds = 0.0  # wall time spent in control collectives
         self._control = None
         self._transfers = None
-        if info.world_size > 1:
+        if world_size > 1:
             timeout = datetime.timedelta(seconds=timeout_s)
-            dist.init_process_group(backend=backend, init_method=init_method, rank=info.rank,
-                                    world_size=info.world_size, timeout=timeout)
+            dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=timeout)
             # Control messages travel on their own (CPU) group: the overlap loop issues them
             # on the scheduling thread while the forward's all-reduces run on another thread,
             # and collectives of one group must be issued in the same order on every rank.
@@ -53,9 +39,10 @@ class Comm:
             # overlap loop's scheduling thread owns the control group meanwhile)
             self._transfers = dist.new_group(backend="gloo", timeout=timeout)
 
-    @property
-    def world_size(self) -> int:
-        return self.info.world_size
+    def counters(self) -> dict[str, float]:
+        """Control-collective counters, as Engine.stats() reports them."""
+        return {"control_collectives": self.num_control_collectives,
+                "control_seconds": self.control_seconds}
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over all ranks (the row-parallel layers' partial outputs)."""

@@ -1,10 +1,18 @@
-"""The loop of one rank process in a tensor-parallel fleet.
+"""A rank process: its place in the group, and the one loop every rank runs.
 
-All ranks hold the same requests and run the same deterministic scheduler, so their
-batches agree step for step without shipping batches around: rank 0 (the driver) takes
-new requests from the front and broadcasts them, then every rank steps. Per iteration
-there is one fixed-size control all-gather (new-request count, shutdown, stats flags);
-a broadcast follows only when requests arrived. Rank 0 reports finished requests.
+    take orders -> apply them (add, cancel, stats, check) -> stop? -> step -> send results
+
+Where orders come from is an inbox: the front's pipe in a spawned fleet (`PipeInbox`), or
+the whole request list at once under torchrun (`ListInbox`, closed after it is taken).
+How ranks agree is the mode's policy:
+- TP (`TpPolicy`): all ranks hold the same requests and run the same deterministic
+  scheduler, so their batches agree without shipping batches. Rank 0 reads the inbox; one
+  fixed-size control all-gather per iteration tells every rank what arrived (a broadcast
+  then carries it), whether to stop, who has work, and any rank's connector failure.
+  Rank 0 reports results.
+- ADP (`AdpPolicy`): every owner reads its own inbox and reports its own results; the
+  step's own all-gather (`AdpSync`) keeps the owners together, every owner steps every
+  iteration, and a stop drains every owner until none has pending transfers.
 """
 
 from __future__ import annotations
@@ -12,294 +20,268 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import traceback
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorError
-from shoal.parallel.comm import Comm, ParallelInfo
-from shoal.request import RequestStatus
+from shoal.engine.engine import Engine
+from shoal.engine.peers import LocalAgreement, LocalSync, Peers, Topology
+from shoal.model.llama import Shard
+from shoal.parallel import messages as msg
+from shoal.parallel.agreement import TpAgreement
+from shoal.parallel.comm import Comm
+from shoal.parallel.sync import AdpSync, agree_on_failure
+from shoal.request import NewRequest, StepResult
 
-IDLE_WAIT_SECONDS = 0.02  # how long an idle driver waits for new requests per iteration
+IDLE_WAIT_SECONDS = 0.02  # how long an idle rank waits for orders per iteration
 
-
-def output_record(req) -> dict:
-    """What the front needs of a finished request (plain data: it crosses a pipe)."""
-    return {"request_id": req.request_id, "token_ids": list(req.output_token_ids),
-            "finish_reason": req.finish_reason, "error": req.error,
-            "arrival": req.metrics.arrival_time, "first_token": req.metrics.first_token_time,
-            "finish": req.metrics.finish_time,
-            "num_local_prefix_tokens": req.num_local_prefix_tokens or 0,
-            "num_connector_tokens": req.num_connector_tokens}
+log = logging.getLogger(__name__)
 
 
-def apply_record(req, record: dict):
-    """Fill a front-side Request from a rank's output_record; returns it."""
-    from shoal.request import RequestMetrics
-    req.output_token_ids = record["token_ids"]
-    req.finish_reason, req.error = record["finish_reason"], record["error"]
-    req.metrics = RequestMetrics(record["arrival"], record["first_token"], record["finish"])
-    req.num_local_prefix_tokens = record["num_local_prefix_tokens"]
-    req.num_connector_tokens = record["num_connector_tokens"]
-    return req
+def join_group(rank: int, world_size: int, mode: str, config: EngineConfig, init_method: str,
+               local_rank: int) -> tuple[Peers, Comm, EngineConfig]:
+    """This process's process group, what its engine needs to know about its peers, and its
+    config (on CUDA one GPU per rank: cuda:<local_rank>). Spawned fleets and torchrun."""
+    cuda = config.device.startswith("cuda")
+    comm = Comm(rank, world_size, "nccl" if cuda else "gloo", init_method)
+    if cuda:
+        config = replace(config, device=f"cuda:{local_rank}")
+    if mode == "tp":  # heads and MLP sharded; every rank the same requests
+        peers = Peers(Topology(rank, world_size, shard_rank=rank, num_shards=world_size),
+                      Shard(rank, world_size, comm.all_reduce_), LocalSync(),
+                      TpAgreement(comm), comm.counters)
+    else:  # ADP: attention whole per owner, MLP sharded over the owners
+        peers = Peers(Topology(rank, world_size, owner_rank=rank, num_owners=world_size),
+                      Shard(rank, world_size, comm.all_reduce_, comm.all_gather_),
+                      AdpSync(comm), LocalAgreement(), comm.counters)
+    return peers, comm, config
 
 
-def agree_on_failure(comm: Comm, votes: list[int], failure: str | None) -> None:
-    """After a control all-gather: if any rank voted a failure, a second round carries the
-    messages and every rank raises the same ConnectorError (the lowest failed rank's)."""
-    if any(votes):
-        messages = comm.all_gather_object(failure)
-        raise ConnectorError(next(m for m in messages if m))
+@dataclass
+class Orders:
+    """What a rank is asked to do in one iteration."""
+
+    adds: list[NewRequest] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    want_stats: bool = False
+    want_check: bool = False
+    shutdown: bool = False
 
 
-def exit_fatal(rank: int, message: str, conn: Connection | None = None) -> None:
-    """A fatal connector failure: report it to the front and end the process (nothing is
-    freed under a copy that may still run; the peers see this rank gone and stop too)."""
-    logging.getLogger(__name__).error("rank %d stops: %s", rank, message)
-    if conn is not None:
-        try:
-            conn.send(("fatal", rank, message))
-        except OSError:
-            pass
-    os._exit(1)
+class PipeInbox:
+    """Orders from the front's pipe (never closed: the front sends Shutdown)."""
+
+    closed = False
+    is_replicated = False  # TP: only rank 0's pipe brings requests
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def take(self, timeout: float) -> Orders:
+        orders = Orders()
+        while self.conn.poll(timeout):
+            timeout = 0.0
+            m = self.conn.recv()
+            if isinstance(m, msg.Add):
+                orders.adds += m.requests
+            elif isinstance(m, msg.Cancel):
+                orders.cancels.append(m.request_id)
+            elif isinstance(m, msg.AskStats):
+                orders.want_stats = True
+            elif isinstance(m, msg.AskCheck):
+                orders.want_check = True
+            elif isinstance(m, msg.Shutdown):
+                orders.shutdown = True
+                break
+        return orders
 
 
-def on_stuck_exit(engine, rank: int, conn: Connection | None = None) -> None:
-    """A connector hook that blocks on this rank ends the process (see exit_fatal): its
-    peers are waiting for it in a collective, and its own thread cannot be unstuck."""
-    if engine.connector is not None:
-        engine.connector.on_stuck = lambda message: exit_fatal(rank, message, conn)
+class ListInbox:
+    """Every request at once (torchrun); closed once taken: the run ends when all are done.
+    Under TP every rank is given the same list (`is_replicated`: nothing to broadcast)."""
+
+    def __init__(self, requests: list[NewRequest], is_replicated: bool = False):
+        self._requests = requests
+        self.closed = False
+        self.is_replicated = is_replicated
+
+    def take(self, timeout: float) -> Orders:
+        orders, self._requests, self.closed = Orders(adds=self._requests), [], True
+        return orders
+
+
+class PipeOutbox:
+    """Sends to the front; results only if this rank reports them (TP: rank 0)."""
+
+    def __init__(self, conn: Connection, rank: int, sends_results: bool):
+        self.rank = rank
+        self.sends_results = sends_results
+        self._conn = conn
+        self._lock = threading.Lock()  # a watchdog's report may come from its own thread
+
+    def send(self, m: msg.ToFront) -> None:
+        with self._lock:
+            self._conn.send(m)
+
+    def results(self, result: StepResult) -> None:
+        if result and self.sends_results:
+            self.send(msg.Results(self.rank, result))
+
+
+class CollectOutbox:
+    """Keeps results here (torchrun: gathered at the end)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.collected = StepResult()
+
+    def send(self, m: msg.ToFront) -> None:
+        pass
+
+    def results(self, result: StepResult) -> None:
+        self.collected.merge(result)
+
+
+class TpPolicy:
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self.any_work = False  # some rank had work at the last control gather
+        self.closed = False  # rank 0's inbox will bring no more requests
+
+    def take(self, engine: Engine, inbox) -> Orders:
+        """Rank 0's orders on every rank, agreed in one gather (+ a broadcast of arrivals)."""
+        orders = Orders()
+        if self.comm.rank == 0 or inbox.is_replicated:
+            orders = inbox.take(0.0 if engine.has_work else IDLE_WAIT_SECONDS)
+        failure = engine.failure
+        rows = self.comm.all_gather_ints([
+            len(orders.adds) + len(orders.cancels), int(orders.shutdown), int(orders.want_stats),
+            int(orders.want_check), int(failure is not None), int(engine.has_work),
+            int(inbox.closed)])
+        agree_on_failure(self.comm, [r[4] for r in rows], failure)
+        self.any_work = any(r[5] for r in rows)
+        lead = rows[0]
+        self.closed = bool(lead[6])
+        adds, cancels = orders.adds, orders.cancels
+        if lead[0] and not inbox.is_replicated:  # arrivals and cancels reach every rank at once
+            adds, cancels = self.comm.broadcast_object(
+                (orders.adds, orders.cancels) if self.comm.rank == 0 else None, src=0)
+        return Orders(adds, cancels, bool(lead[2]), bool(lead[3]), bool(lead[1]))
+
+    def stops(self, orders: Orders, inbox) -> bool:
+        return orders.shutdown or (self.closed and not self.any_work and not orders.adds)
+
+    def steps(self, engine: Engine) -> bool:
+        return engine.has_work  # the same on every rank
+
+    def stop(self, engine: Engine, outbox) -> None:
+        engine.shutdown()  # drains pending saves, every rank the same steps
+
+
+class AdpPolicy:
+    def __init__(self, sync: AdpSync):
+        self.sync = sync
+        self.comm = sync.comm
+
+    def take(self, engine: Engine, inbox) -> Orders:
+        orders = inbox.take(0.0 if self.sync.state.any_work else IDLE_WAIT_SECONDS)
+        if orders.shutdown:
+            self.sync.want_shutdown = 1  # voted at the next step: every owner stops alike
+        return orders
+
+    def stops(self, orders: Orders, inbox) -> bool:
+        """Decided by the last step's gather, so every owner stops at the same iteration."""
+        state = self.sync.state
+        return state.stop or (inbox.closed and not state.any_work)
+
+    def steps(self, engine: Engine) -> bool:
+        return True  # the step's all-gather is how owners stay together
+
+    def stop(self, engine: Engine, outbox) -> None:
+        # every owner cancels what it has and steps until no owner has pending transfers
+        # (the steps' all-gathers keep them together), then stops
+        engine.begin_drain()
+        while self.sync.state.any_work:
+            outbox.results(engine.step())
+        engine.shutdown()
+
+
+def serve(engine: Engine, policy, inbox, outbox) -> None:
+    """The rank loop, until the policy says stop."""
+    num_loops = 0
+    while True:
+        num_loops += 1
+        orders = policy.take(engine, inbox)
+        for new in orders.adds:
+            engine.add(new)
+        for rid in orders.cancels:
+            engine.cancel(rid)
+        if orders.want_stats:
+            comm = policy.comm
+            outbox.send(msg.Stats(outbox.rank, {
+                **engine.stats(), "rank_loop_iterations": num_loops,
+                "control_broadcasts": comm.num_broadcasts,
+                "data_collectives": comm.num_data_collectives}))
+        if orders.want_check:
+            outbox.send(msg.Checked(outbox.rank, _integrity_error(engine)))
+        if policy.stops(orders, inbox):
+            policy.stop(engine, outbox)
+            return
+        if policy.steps(engine):
+            outbox.results(engine.step())
+
+
+def make_policy(peers: Peers, comm: Comm):
+    return AdpPolicy(peers.sync) if isinstance(peers.sync, AdpSync) else TpPolicy(comm)
 
 
 def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
-              conn: Connection, mode: str = "tp") -> None:
+              conn: Connection, mode: str) -> None:
     """Entry point of a spawned rank process."""
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    outbox = PipeOutbox(conn, rank, sends_results=mode == "adp" or rank == 0)
     comm = None
     try:
         import torch
-
-        from shoal.engine.engine import Engine
         # one machine's cores shared by its ranks, not oversubscribed world_size times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        info, comm, config = join_group(rank, world_size, mode, config, init_method, rank)
-        conn = _LockedConnection(conn)  # a watchdog's report may come from its own thread
-        if mode == "tp":
-            engine = Engine(config, info, comm)
-            on_stuck_exit(engine, rank, conn)
-            conn.send(("ready", rank, engine.info))
-            _serve(rank, engine, comm, conn)
-        else:
-            fleet = _FleetState(comm)
-            engine = Engine(config, info, comm, fleet_sync=fleet.sync)
-            on_stuck_exit(engine, rank, conn)
-            conn.send(("ready", rank, engine.info))
-            _serve_owner(rank, engine, fleet, conn)
-        conn.send(("stopped", rank, None))
+        peers, comm, config = join_group(rank, world_size, mode, config, init_method, rank)
+        engine = Engine(config, peers, on_stuck=lambda message: exit_fatal(rank, message, outbox))
+        outbox.send(msg.Ready(rank, engine.info))
+        serve(engine, make_policy(peers, comm), PipeInbox(conn), outbox)
+        outbox.send(msg.Stopped(rank))
     except ConnectorError as e:  # the same message on every rank: the fleet must restart
-        exit_fatal(rank, str(e), conn)
+        exit_fatal(rank, str(e), outbox)
+    except KeyboardInterrupt:  # the front's Ctrl-C reached the whole process group
+        os._exit(130)
     except BaseException as e:  # report anything to the front, then die with an error
-        detail = f"{type(e).__name__}: {e}"
-        logging.getLogger(__name__).error("rank %d failed: %s\n%s", rank, detail,
-                                          traceback.format_exc())
-        try:
-            conn.send(("error", rank, detail))
-        except OSError:
-            pass
-        os._exit(1)
+        log.debug("rank %d failed", rank, exc_info=True)
+        exit_fatal(rank, f"{type(e).__name__}: {e}", outbox, msg.Failed)
     finally:
         if comm is not None:
             comm.shutdown()
 
 
-def _serve(rank: int, engine, comm: Comm, conn: Connection) -> None:
-    num_loops = 0
-    outbox, streamer = _Outbox(), _Streamer()
-    while True:
-        num_loops += 1
-        new, cancels, shutdown, want_stats, want_check = [], [], 0, 0, 0
-        if rank == 0:
-            timeout = 0.0 if engine.has_work else IDLE_WAIT_SECONDS
-            while conn.poll(timeout):
-                kind, payload = conn.recv()
-                timeout = 0.0
-                if kind == "add":
-                    new += payload
-                elif kind == "cancel":
-                    cancels.append(payload)
-                elif kind == "stats":
-                    want_stats = 1
-                elif kind == "check":
-                    want_check = 1
-                elif kind == "shutdown":
-                    shutdown = 1
-                    break
-        failure = engine.failure
-        rows = comm.all_gather_ints([len(new) + len(cancels), shutdown, want_stats, want_check,
-                                     int(failure is not None)])
-        agree_on_failure(comm, [r[4] for r in rows], failure)
-        control = rows[0]
-        if control[0]:  # arrivals and cancels reach every rank at the same step
-            new, cancels = comm.broadcast_object((new, cancels) if rank == 0 else None, src=0)
-        for spec in new:
-            engine.add_request(**spec)
-        for rid in cancels:
-            engine.cancel(rid)
-        if control[2]:
-            conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
-                                       "control_broadcasts": comm.num_broadcasts,
-                                       "data_collectives": comm.num_data_collectives}))
-        if control[3]:
-            conn.send(("checked", rank, _integrity_error(engine)))
-        if control[1]:
-            engine.shutdown()  # drains pending saves (every rank the same steps)
-            return
-        if engine.has_work:
-            finished = outbox.ready(_step(engine))
-            if rank == 0:
-                streamer.send(conn, rank, engine, finished)
+def exit_fatal(rank: int, message: str, outbox: PipeOutbox | None = None,
+               kind: type = msg.Fatal) -> None:
+    """Report why this rank stops to the front and end the process (nothing is freed under a
+    copy that may still run; the peers see this rank gone and stop too)."""
+    log.error("rank %d stops: %s", rank, message)
+    if outbox is not None:
+        try:
+            outbox.send(kind(rank, message))
+        except OSError:
+            pass
+    os._exit(1)
 
 
-class _LockedConnection:
-    """The rank's end of the front's pipe, sends serialized across threads."""
-
-    def __init__(self, conn: Connection):
-        self._conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, msg) -> None:
-        with self._lock:
-            self._conn.send(msg)
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self._conn.poll(timeout)
-
-    def recv(self):
-        return self._conn.recv()
-
-
-def _step(engine) -> list:
-    """engine.step(); a connector failure is kept for the next control vote (the ranks
-    stay in lockstep so that every rank can raise the same error)."""
-    try:
-        return engine.step()
-    except ConnectorError:
-        return []
-
-
-class _Streamer:
-    """Sends the front new tokens of live requests after each step, and finished ones."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, int] = {}  # rid -> tokens sent
-
-    def send(self, conn: Connection, rank: int, engine, finished: list) -> None:
-        new = {}
-        for rid, req in engine.live_requests().items():
-            n = self._sent.get(rid, 0)
-            if len(req.output_token_ids) > n:
-                new[rid] = req.output_token_ids[n:]
-                self._sent[rid] = len(req.output_token_ids)
-        if new:
-            conn.send(("tokens", rank, new))
-        if finished:
-            for r in finished:
-                self._sent.pop(r.request_id, None)
-            conn.send(("done", rank, [output_record(r) for r in finished]))
-
-
-def _integrity_error(engine) -> str | None:
+def _integrity_error(engine: Engine) -> str | None:
     """engine.check_integrity() as a message for the front (None when it holds)."""
     try:
         engine.check_integrity()
     except AssertionError as e:
         return f"rank integrity check failed: {e}"
     return None
-
-
-class _Outbox:
-    """Finished requests go back to the front once nothing of theirs is pending: a request
-    whose save is still in flight (SAVING) is held until the save is reported, as a
-    single-rank generate() returns only after its saves."""
-
-    def __init__(self) -> None:
-        self._saving: list = []
-
-    def ready(self, finished: list) -> list:
-        pending = self._saving + finished
-        self._saving = [r for r in pending if r.status == RequestStatus.SAVING]
-        return [r for r in pending if r.status != RequestStatus.SAVING]
-
-
-class _FleetState:
-    """ADP: what the step's one control all-gather told this owner about the fleet."""
-
-    def __init__(self, comm: Comm):
-        self.comm = comm
-        self.want_shutdown = 0  # this owner was asked to stop
-        self.any_work = True  # some owner had work at the last step
-        self.stop = False  # some owner was asked to stop: all stop after this step
-        self.pending_transfers: list[int] = []  # per owner, at the last step
-
-    def sync(self, num_tokens: int, has_work: bool, num_pending: int,
-             failure: str | None = None) -> list[int]:
-        """[num_tokens, has_work, shutdown, pending transfers, failed] of every owner, in one
-        gather; a failure anywhere is raised on every owner (agree_on_failure)."""
-        rows = self.comm.all_gather_ints([num_tokens, int(has_work), self.want_shutdown,
-                                          num_pending, int(failure is not None)])
-        agree_on_failure(self.comm, [r[4] for r in rows], failure)
-        self.any_work = any(r[1] for r in rows)  # pending transfers count as work
-        self.stop = any(r[2] for r in rows)
-        self.pending_transfers = [r[3] for r in rows]
-        return [r[0] for r in rows]
-
-
-def _serve_owner(rank: int, engine, fleet: _FleetState, conn: Connection) -> None:
-    """ADP: this owner's own requests; every owner steps every iteration (the step's
-    all-gather decides whether anyone computes; an owner with nothing joins with padding)."""
-    num_loops = 0
-    outbox, streamer = _Outbox(), _Streamer()
-    while True:
-        num_loops += 1
-        timeout = 0.0 if fleet.any_work else IDLE_WAIT_SECONDS
-        while conn.poll(timeout):
-            kind, payload = conn.recv()
-            timeout = 0.0
-            if kind == "add":
-                for spec in payload:
-                    engine.add_request(**spec)
-            elif kind == "cancel":
-                engine.cancel(payload)
-            elif kind == "stats":
-                conn.send(("stats", rank, {**engine.stats(), "rank_loop_iterations": num_loops,
-                                           "data_collectives": engine.comm.num_data_collectives}))
-            elif kind == "check":
-                conn.send(("checked", rank, _integrity_error(engine)))
-            elif kind == "shutdown":
-                fleet.want_shutdown = 1
-        streamer.send(conn, rank, engine, outbox.ready(engine.step()))
-        if fleet.stop:
-            # drain: every owner cancels what it has and steps until no owner has pending
-            # transfers (the steps' all-gathers keep them together), then stops
-            engine.begin_drain()
-            while fleet.any_work:
-                streamer.send(conn, rank, engine, outbox.ready(engine.step()))
-            engine.shutdown()
-            return
-
-
-def join_group(rank: int, world_size: int, mode: str, config: EngineConfig, init_method: str,
-               local_rank: int) -> tuple[ParallelInfo, Comm, EngineConfig]:
-    """This process's place in the fleet, its process group, and its config (on CUDA, one
-    GPU per rank: cuda:<local_rank>). Shared by spawned fleets and torchrun."""
-    from dataclasses import replace
-
-    tp, dp = (world_size, 1) if mode == "tp" else (1, world_size)
-    info = ParallelInfo(rank, world_size, tp_size=tp, dp_size=dp, mode=mode)
-    cuda = config.device.startswith("cuda")
-    comm = Comm(info, "nccl" if cuda else "gloo", init_method)
-    if cuda:
-        config = replace(config, device=f"cuda:{local_rank}")
-    return info, comm, config

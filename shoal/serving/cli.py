@@ -1,4 +1,4 @@
-"""`shoal` command line: generate, demo, bench.
+"""`shoal` command line: generate, demo, pool, bench.
 
 Exit codes: 0 ok; 1 a runtime failure; 2 bad arguments or configuration.
 """
@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     pv = psub.add_parser("verify", help="check every file's header and checksum; "
                          "quarantine corrupt ones (exit 1 if any)")
     pg = psub.add_parser("gc", help="remove stale temp files; trim to --max-bytes (LRU)")
-    pg.add_argument("--max-bytes", type=int, help="capacity to trim the pool to")
+    pg.add_argument("--max-bytes", type=int, help="capacity to trim the pool to, least "
+                    "recently used first (0 removes every block file)")
     for p in (ps, pv, pg):
         p.add_argument("dir", help="the pool directory")
         p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"shoal: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # OSError: e.g. a pool gc without permission
         print(f"shoal: error: {e}", file=sys.stderr)
         return EXIT_RUNTIME_ERROR
     except KeyboardInterrupt:
@@ -137,6 +138,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("no prompts: give --prompt TEXT or --prompts-file F")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.kv_pool is not None:  # a bad pool directory fails before the weights load
+        from shoal.connectors.fs.connector import open_pool
+        from shoal.llm import pool_connector
+        open_pool(pool_connector(args.kv_pool))
     from shoal.parallel.torchrun import launched_by_torchrun
     if launched_by_torchrun():
         return _generate_under_torchrun(args, prompts, sampling)
@@ -152,10 +157,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:
+    from dataclasses import replace
+
     from shoal.config import EngineConfig
-    from shoal.llm import pool_connector, to_output
+    from shoal.llm import pool_connector
     from shoal.model.loader import load_tokenizer_only
     from shoal.parallel.torchrun import run_requests
+    from shoal.request import NewRequest
 
     if not sampling.is_greedy and sampling.seed is None:
         raise ValueError("--seed is required for sampling under torchrun (every rank must "
@@ -167,11 +175,11 @@ def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:
     tok = load_tokenizer_only(args.model)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat
            else tok.encode(p) for p in prompts]
-    reqs, stats = run_requests(config, [dict(prompt_token_ids=i, sampling=sampling, prompt=p)
+    outs, stats = run_requests(config, [NewRequest(i, sampling, prompt=p)
                                         for i, p in zip(ids, prompts)])
-    if reqs is None:
+    if outs is None:
         return 0  # not rank 0: rank 0 prints
-    outs = [to_output(r, tok) for r in reqs]
+    outs = [replace(o, text=tok.decode(o.token_ids)) for o in outs]
     return _print_outputs(args, outs, {**stats, "per_rank": [stats]})
 
 
@@ -202,23 +210,21 @@ def _pool(args: argparse.Namespace) -> int:
     from shoal.connectors.fs import admin as pool_admin
 
     root = Path(args.dir)
-    if not (root / "blocks").is_dir():
-        raise ValueError(f"{root} is not a Shoal KV pool (no blocks/ directory)")
+    if getattr(args, "max_bytes", None) is not None and args.max_bytes < 0:
+        raise ValueError(f"--max-bytes must be >= 0 (0 removes every block), got {args.max_bytes}")
+    pool_admin.check_pool(root)
     if args.pool_command == "stats":
         result = asdict(pool_admin.pool_stats(root))
         text = (f"{result['num_blocks']} blocks, {result['num_bytes'] / 2**20:.1f} MiB, "
-                f"{result['num_quarantined']} quarantined, {result['num_temp']} temp files")
+                f"{result['num_quarantined']} quarantined, {result['num_temp']} temp files, "
+                f"{result['num_skipped']} skipped entries")
         code = 0
     elif args.pool_command == "verify":
-        ok, bad = pool_admin.verify_pool(root)
-        result = {"ok_blocks": ok, "corrupt_blocks": len(bad),
-                  "corrupt": [{"file": f, "reason": r} for f, r in bad]}
-        text = "\n".join([f"{ok} blocks ok, {len(bad)} corrupt (quarantined)"] +
-                         [f"  {f}: {r}" for f, r in bad])
-        code = 1 if bad else 0
+        result, text = _verify_report(pool_admin.verify_pool(root))
+        code = 1 if result["corrupt"] or result["skipped"] else 0
     else:
         temp = pool_admin.remove_stale_temp_files(root)
-        trimmed = pool_admin.trim_pool(root, args.max_bytes) if args.max_bytes else 0
+        trimmed = 0 if args.max_bytes is None else pool_admin.trim_pool(root, args.max_bytes)
         result = {"removed_temp_files": temp, "trimmed_blocks": trimmed,
                   **asdict(pool_admin.pool_stats(root))}
         text = (f"removed {temp} stale temp files, trimmed {trimmed} blocks; now "
@@ -226,3 +232,18 @@ def _pool(args: argparse.Namespace) -> int:
         code = 0
     print(json.dumps(result) if args.json else text)
     return code
+
+
+def _verify_report(report) -> tuple[dict, str]:
+    """`shoal pool verify` output: (the JSON object, the text)."""
+    kept = dict(report.not_quarantined)
+    result = {"ok_blocks": report.num_ok, "corrupt_blocks": len(report.corrupt),
+              "corrupt": [{"file": f, "reason": r} for f, r in report.corrupt],
+              "not_quarantined": [{"file": f, "error": e} for f, e in report.not_quarantined],
+              "skipped": [{"entry": p, "reason": r} for p, r in report.skipped]}
+    lines = [f"{report.num_ok} blocks ok, {len(report.corrupt)} corrupt "
+             f"({len(report.corrupt) - len(kept)} quarantined), {len(report.skipped)} skipped"]
+    lines += [f"  {f}: {r}" + (f" (not quarantined: {kept[f]})" if f in kept else "")
+              for f, r in report.corrupt]
+    lines += [f"  {p}: skipped ({r})" for p, r in report.skipped]
+    return result, "\n".join(lines)

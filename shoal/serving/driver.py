@@ -3,9 +3,9 @@
 The engine (one rank, or the front of a fleet) is not thread-safe, so once the first
 request is submitted every call to it runs on one background thread, the driver: it takes
 queued operations (add, cancel, stats, ...) between steps, steps while there is work, and
-after each step hands new tokens to streams and finished requests to their handles. A
-handle is done once its request has ended and nothing of it is pending (a save of its
-blocks still running keeps it open, as `generate` returns only after its saves).
+after each step hands new tokens to streams and finished requests to their handles (an
+engine returns a request once it ended and nothing of it is pending: a save of its blocks
+still running keeps it, as `generate` returns only after its saves).
 If the driver is stuck in a connector hook that never returns, the connector's watchdog
 `abandon`s it: every handle and later call gets the ConnectorError, nothing waits for it.
 """
@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from shoal.request import Request, RequestOutput, RequestStatus
+from shoal.engine.engine import EngineLike
+from shoal.request import NewRequest, RequestOutput, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +57,28 @@ class RequestHandle:
                 return
             yield from item
 
+    def _push(self, token_ids: list[int]) -> None:
+        self._tokens.put(token_ids)
+
+    def _finish(self, output: RequestOutput) -> None:
+        self._tokens.put(_END)
+        self._future.set_result(output)
+
+    def _fail(self, error: BaseException) -> None:
+        self._tokens.put(_END)
+        self._future.set_exception(error)
+
 
 class Driver:
-    """Runs the engine on a background thread (started by the first `start`)."""
+    """Runs the engine on a background thread (started by the first `start`).
+    `complete(output)` fills what the engine leaves to the front (the decoded text)."""
 
-    def __init__(self, engine, to_output: Callable[[Request], RequestOutput]):
+    def __init__(self, engine: EngineLike, complete: Callable[[RequestOutput], RequestOutput]):
         self.engine = engine
-        self._to_output = to_output
+        self._complete = complete
         self._ops: queue.SimpleQueue = queue.SimpleQueue()  # (fn(engine), future)
         self._wake = threading.Event()
-        self._handles: dict[str, tuple[RequestHandle, Request]] = {}
-        self._sent: dict[str, int] = {}  # rid -> tokens streamed
-        self._ended: list[tuple[RequestHandle, Request]] = []  # ended, a save still pending
+        self._handles: dict[str, RequestHandle] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stopped = False
@@ -94,11 +105,11 @@ class Driver:
             self._run_ops(self._error)
         return fut
 
-    def submit(self, adds: list[Callable]) -> list[RequestHandle]:
-        """Each add(engine) -> Request runs on the driver thread, all before the next step;
-        the handles come back at once (an invalid request id raises here)."""
+    def submit(self, requests: list[NewRequest]) -> list[RequestHandle]:
+        """Add the requests on the driver thread, all before the next step; the handles come
+        back at once (an invalid request id raises here)."""
         self.start()
-        return self.run_soon(lambda engine: [self._track(add(engine)) for add in adds]).result()
+        return self.run_soon(lambda engine: self._add_all(engine, requests)).result()
 
     def stop(self) -> None:
         """Drain and shut the engine down as the driver's last operation; end the thread.
@@ -122,11 +133,10 @@ class Driver:
         self._fail_all(error)
         self._wake.set()
 
-    def _last(self, engine) -> None:
+    def _last(self, engine: EngineLike) -> None:
         try:
-            drain = getattr(engine, "drain", None)
-            if drain is not None and self._error is None:
-                self._publish(drain())
+            if self._error is None:
+                self._publish(engine.drain())
         finally:
             engine.shutdown()
             self._fail_all(RuntimeError("the LLM was shut down before this request ended"),
@@ -134,12 +144,24 @@ class Driver:
 
     # -- the driver thread -------------------------------------------------------------
 
-    def _track(self, req: Request) -> RequestHandle:
-        handle = RequestHandle(self, req.request_id)
+    def _add_all(self, engine: EngineLike, requests: list[NewRequest]) -> list[RequestHandle]:
+        """All or nothing: if one is refused, those added before it are cancelled."""
+        handles = []
+        try:
+            for r in requests:
+                handles.append(self._track(engine.add(r)))
+        except BaseException:
+            for h in handles:  # their handles end unseen, as "cancelled"
+                engine.cancel(h.request_id)
+            raise
+        return handles
+
+    def _track(self, request_id: str) -> RequestHandle:
+        handle = RequestHandle(self, request_id)
         with self._lock:
             if self._error is not None:
                 raise self._error
-            self._handles[req.request_id] = (handle, req)
+            self._handles[request_id] = handle
         return handle
 
     def _loop(self) -> None:
@@ -148,7 +170,7 @@ class Driver:
             if self._stopped:
                 self._run_ops()
                 return
-            if not self.engine.has_work and not self._ended:
+            if not self.engine.has_work:
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -176,47 +198,29 @@ class Driver:
             except BaseException as e:
                 fut.set_exception(e)
 
-    def _publish(self, finished: list[Request]) -> None:
+    def _publish(self, result: StepResult) -> None:
         with self._lock:
-            if self._error is None:
-                self._publish_locked(finished)
-
-    def _publish_locked(self, finished: list[Request]) -> None:
-        for rid, req in self.engine.live_requests().items():
-            self._stream(rid, req)
-        for req in finished:
-            if req.request_id not in self._handles:
-                log.error("request %s ended twice", req.request_id)
-                continue
-            self._stream(req.request_id, req)
-            self._ended.append(self._handles.pop(req.request_id))
-        still = []
-        for handle, req in self._ended:
-            if req.status == RequestStatus.SAVING:
-                still.append((handle, req))
-                continue
-            self._sent.pop(handle.request_id, None)
-            handle._tokens.put(_END)
-            handle._future.set_result(self._to_output(req))
-        self._ended = still
-
-    def _stream(self, rid: str, req: Request) -> None:
-        entry = self._handles.get(rid)
-        n = self._sent.get(rid, 0)
-        if entry is not None and len(req.output_token_ids) > n:
-            self._sent[rid] = len(req.output_token_ids)
-            entry[0]._tokens.put(list(req.output_token_ids[n:]))
+            if self._error is not None:
+                return
+            for rid, token_ids in result.new_tokens.items():
+                handle = self._handles.get(rid)
+                if handle is not None:
+                    handle._push(list(token_ids))
+            for out in result.finished:
+                handle = self._handles.pop(out.request_id, None)
+                if handle is None:
+                    log.error("request %s ended twice", out.request_id)
+                    continue
+                handle._finish(self._complete(out))
 
     def _fail_all(self, error: BaseException, keep_error: bool = False) -> None:
         with self._lock:
             if not keep_error and self._error is None:
                 self._error = error
-            entries = [*self._handles.values(), *self._ended]
+            handles = list(self._handles.values())
             self._handles.clear()
-            self._ended = []
-        for handle, _ in entries:
-            handle._tokens.put(_END)
-            handle._future.set_exception(error)
+        for handle in handles:
+            handle._fail(error)
         self._run_ops(error)
 
     def _raise_if_failed(self) -> None:

@@ -1,10 +1,17 @@
-"""Pool maintenance shared by the fs connector and `shoal pool stats|verify|gc`."""
+"""Pool maintenance shared by the fs connector and `shoal pool stats|verify|gc`.
+
+The tools act only on regular files inside the pool: entries are found with
+format.scan_blocks (never following a link) and every file is opened, moved or deleted
+relative to a directory fd opened without following links. Anything else (links, FIFOs,
+sockets, devices, misnamed files, foreign directories) is reported, never touched.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.connectors.fs import format as pf
@@ -18,89 +25,144 @@ class PoolSummary:
     num_bytes: int  # their total size
     num_quarantined: int  # files moved aside after failing verification
     num_temp: int  # in-progress (or crashed) writes
+    num_skipped: int  # entries below blocks/ that are not Shoal's (links, FIFOs, misnamed)
+
+
+@dataclass
+class VerifyReport:
+    num_ok: int = 0  # block files whose header and checksum are right
+    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (file name, reason)
+    # corrupt files left in place: (file name, why they could not be moved)
+    not_quarantined: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path in the pool, why)
+
+
+def check_pool(root: Path) -> None:
+    """ValueError, one line naming the path, unless root is a directory holding real blocks/
+    (and, if present, quarantine/) directories."""
+    if not os.path.isdir(root):
+        why = "not a directory" if os.path.lexists(root) else "no such directory"
+        raise ValueError(f"{str(root)!r} is not a Shoal KV pool ({why})")
+    for sub in ("blocks", "quarantine"):
+        try:
+            os.close(pf.open_pool_dir(root, sub))
+        except FileNotFoundError:
+            if sub == "blocks":
+                raise ValueError(f"{str(root)!r} is not a Shoal KV pool (no blocks/ directory)")
+        except OSError as e:
+            raise ValueError(f"{str(root)!r} is not a usable Shoal KV pool: {e.strerror}") from None
 
 
 def pool_stats(root: Path) -> PoolSummary:
-    files = list(pf.iter_block_files(root))
-    sizes = sum(_size(p) for p in files)
-    quarantine = root / "quarantine"
-    num_q = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
-    return PoolSummary(len(files), sizes, num_q, len(list(_temp_files(root))))
+    s = PoolSummary(0, 0, _num_quarantined(root), 0, 0)
+    for entry in pf.scan_blocks(root):
+        if entry.kind == "block":
+            s.num_blocks += 1
+            s.num_bytes += entry.size
+        elif entry.kind == "temp":
+            s.num_temp += 1
+        else:
+            s.num_skipped += 1
+    return s
 
 
-def verify_pool(root: Path) -> tuple[int, list[tuple[str, str]]]:
-    """Check every file's header and payload checksum (namespace-agnostic); corrupt files are
-    quarantined. Returns (number ok, [(file name, reason)])."""
-    ok, bad = 0, []
-    for path in pf.iter_block_files(root):
+def verify_pool(root: Path) -> VerifyReport:
+    """Check every block file's header, length and checksum (namespace-agnostic, with bounded
+    memory); corrupt files are quarantined. Other entries are reported in `skipped`; temp
+    files are left to gc."""
+    report = VerifyReport()
+    for entry in pf.scan_blocks(root):
+        if entry.kind == "temp":
+            continue
+        if entry.kind != "block":
+            report.skipped.append((entry.relpath, entry.kind))
+            continue
         try:
-            with open(path, "rb") as f:
-                header = pf.parse_header(f.read(pf.HEADER_SIZE))
-                payload = f.read()
-            if header.key.hex() != path.stem:
-                raise pf.CorruptBlock("key", "header key differs from the file name")
-            if len(payload) != header.payload_len:
-                raise pf.CorruptBlock("truncated", f"{len(payload)} of {header.payload_len} bytes")
-            if pf.checksum(payload) != header.checksum:
-                raise pf.CorruptBlock("checksum", "payload checksum mismatch")
-            ok += 1
+            verify_file(entry.dir_fd, entry.name)
+            report.num_ok += 1
         except pf.CorruptBlock as e:
-            bad.append((path.name, e.reason))
-            pf.quarantine(root, bytes.fromhex(path.stem), e.reason)
-        except (OSError, ValueError) as e:
-            bad.append((path.name, f"unreadable: {e}"))
-    return ok, bad
+            report.corrupt.append((entry.name, e.reason))
+            try:
+                pf.quarantine_file(root, entry.sub, entry.name, e.reason)
+            except OSError as q:
+                report.not_quarantined.append((entry.name, q.strerror or str(q)))
+        except OSError as e:  # replaced by a special file meanwhile, or unreadable
+            report.skipped.append((entry.relpath, e.strerror or str(e)))
+    return report
+
+
+def verify_file(dir_fd: int, name: str) -> None:
+    """Check one block file (a regular file, or NotRegularFile: never read) without reading
+    more than format.VERIFY_CHUNK at a time; CorruptBlock if it fails. The header's payload
+    length is checked against the file size before any payload is read."""
+    fd, st = pf.open_regular_file(name, dir_fd)
+    try:
+        header = pf.parse_header(os.pread(fd, pf.HEADER_SIZE, 0))
+        if header.key.hex() != name.removesuffix(".kv"):
+            raise pf.CorruptBlock("key", "header key differs from the file name")
+        expected = pf.HEADER_SIZE + header.payload_len
+        if st.st_size != expected:
+            raise pf.CorruptBlock("truncated" if st.st_size < expected else "length",
+                                  f"file of {st.st_size} bytes, header says {expected}")
+        if pf.checksum_of_file(fd, pf.HEADER_SIZE, header.payload_len) != header.checksum:
+            raise pf.CorruptBlock("checksum", "payload checksum mismatch")
+    finally:
+        os.close(fd)
 
 
 def trim_pool(root: Path, max_bytes: int) -> int:
     """Delete least recently used block files until the pool holds at most 90% of max_bytes
-    (once above max_bytes). Readers that have a file open keep reading it (POSIX unlink);
-    a reader that opens it later sees a miss. Returns the number of files removed."""
-    entries = []
-    for p in pf.iter_block_files(root):
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            continue
-        entries.append((st.st_mtime, st.st_size, p))
+    (once above max_bytes; 0 removes every block file). Readers that have a file open keep
+    reading it (POSIX unlink); a reader that opens it later sees a miss. Returns the number
+    of files removed."""
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    entries = [(e.mtime, e.size, e.sub, e.name) for e in pf.scan_blocks(root) if e.kind == "block"]
     total = sum(e[1] for e in entries)
     if total <= max_bytes:
         return 0
     removed = 0
-    for _, size, p in sorted(entries):
+    for _, size, sub, name in sorted(entries):
         if total <= max_bytes * 0.9:
             break
-        try:
-            p.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
+        removed += remove_pool_file(root, sub, name)
         total -= size
     return removed
 
 
 def remove_stale_temp_files(root: Path, older_than: float = STALE_TEMP_SECONDS) -> int:
-    now, removed = time.time(), 0
-    for p in _temp_files(root):
-        try:
-            if now - p.stat().st_mtime > older_than:
-                p.unlink()
-                removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
+    now = time.time()
+    stale = [(e.sub, e.name) for e in pf.scan_blocks(root)
+             if e.kind == "temp" and now - e.mtime > older_than]
+    return sum(remove_pool_file(root, sub, name) for sub, name in stale)
 
 
-def _temp_files(root: Path):
-    blocks = root / "blocks"
-    if blocks.is_dir():
-        for sub in blocks.iterdir():
-            if sub.is_dir():
-                yield from (p for p in sub.iterdir() if p.name.endswith(".tmp"))
-
-
-def _size(p: Path) -> int:
+def remove_pool_file(root: Path, sub: str, name: str) -> bool:
+    """Unlink root/blocks/<sub>/<name> if it is still a regular file reached without links;
+    False if it is gone or anything else (left alone)."""
     try:
-        return os.stat(p).st_size
+        dir_fd = pf.open_pool_dir(root, "blocks", sub)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        os.unlink(name, dir_fd=dir_fd)  # even if swapped meanwhile: unlink never follows
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)
+
+
+def _num_quarantined(root: Path) -> int:
+    try:
+        fd = pf.open_pool_dir(root, "quarantine")
     except FileNotFoundError:
         return 0
+    try:
+        with os.scandir(fd) as it:
+            return sum(1 for _ in it)
+    finally:
+        os.close(fd)

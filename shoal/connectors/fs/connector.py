@@ -82,8 +82,42 @@ def open_pool(config: ConnectorConfig) -> FsPoolOptions:
     if cap is not None and (not isinstance(cap, int) or cap <= 0):
         raise ValueError(f"fs connector: max_bytes must be a positive integer, got {cap!r}")
     root = Path(opts["root"]).expanduser()
-    pf.ensure_pool_dirs(root)
+    try:
+        pf.ensure_pool_dirs(root)
+    except OSError as e:
+        raise ValueError(f"fs connector: root (kv_pool) {str(root)!r} cannot be used as a pool "
+                         f"directory: {_why_unusable(root, e)}") from None
     return FsPoolOptions(root, mode == "async", threads, cap)
+
+
+def _why_unusable(root: Path, e: OSError) -> str:
+    if os.path.lexists(root) and not os.path.isdir(root):
+        return "it exists and is not a directory"
+    if isinstance(e, NotADirectoryError) and e.filename is not None:
+        return "a part of its path is a file, not a directory"
+    return e.strerror or str(e)
+
+
+class _UnusableFiles:
+    """Corrupt block files this process could not quarantine (a read-only pool): never read
+    again, and a miss at lookup, for the rest of the process's life. One per process on
+    purpose: the scheduler and worker sides share no object, and a file that failed once
+    fails for every engine of the process (under TP and ADP, ranks in other processes learn
+    of a file when they read it themselves)."""
+
+    def __init__(self):
+        self._paths: set[str] = set()  # block paths, as block_path_str spells them
+        self._lock = threading.Lock()
+
+    def add(self, path: str) -> None:
+        with self._lock:
+            self._paths.add(path)
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._paths  # no lock: a set lookup is atomic, and adds are rare
+
+
+UNUSABLE_FILES = _UnusableFiles()
 
 
 @dataclass
@@ -160,10 +194,14 @@ class FsPoolScheduler(KvConnectorScheduler):
         return meta
 
     def _in_pool(self, key: bytes) -> bool:
-        """Every shard of the block has a file (validity is checked when it is read)."""
+        """Every shard of the block has a regular file in the pool, none of them one this
+        process could not quarantine (validity is checked when it is read)."""
         n = self._num_shards
-        return all(os.path.isfile(pf.block_path_str(self._root_str, shard_key(key, r, n)))
-                   for r in range(n))
+        for r in range(n):
+            path = pf.block_path_str(self._root_str, shard_key(key, r, n))
+            if path in UNUSABLE_FILES or not pf.is_block_file(path):
+                return False
+        return True
 
     def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         self._matched.pop(request.request_id, None)
@@ -187,6 +225,10 @@ class FsPoolWorker(KvConnectorWorker):
         super().__init__(config, ctx)
         opts = open_pool(config)
         self.root, self.is_async, self.max_bytes = opts.root, opts.is_async, opts.max_bytes
+        self._root_str = str(self.root)
+        # refresh a loaded file's mtime (LRU) at most once a minute: a metadata write per
+        # load would cost more than the load
+        self._touch_after = None if self.max_bytes is None else TOUCH_INTERVAL_SECONDS
         # the shard this rank holds (TP), named in its files' keys and headers
         self._shard = (ctx.shard_rank, ctx.num_shards)
         self.namespace = shard_namespace(bytes.fromhex(ctx.namespace), *self._shard)
@@ -287,7 +329,7 @@ class FsPoolWorker(KvConnectorWorker):
         if self.max_bytes is not None:
             # while running, the pool may pass max_bytes by what is written between trims
             # (a tenth of it) plus saves in flight; at the end it holds at most max_bytes
-            trim_pool(self.root, self.max_bytes)
+            self._trim()
 
     # -- I/O threads -------------------------------------------------------------------
 
@@ -303,18 +345,20 @@ class FsPoolWorker(KvConnectorWorker):
             staging = self._staging()
             dest = _bytes_of(staging)
         key = shard_key(t.key, *self._shard)
+        path = pf.block_path_str(self._root_str, key)
+        if path in UNUSABLE_FILES:  # corrupt, and still there: never read again
+            self._record_failure(t, "missing_blocks")
+            return
         try:
-            path = pf.read_block_into(self.root, self.namespace, key, dest,
-                                      self.block_shape, self.dtype)
+            pf.read_block_into(self.root, self.namespace, key, dest, self.block_shape,
+                               self.dtype, touch_after=self._touch_after)
             if not self.on_cpu:
                 self.kv[t.block_id].copy_(staging)
-            self._touch(path)
         except pf.BlockMissing:
             self._record_failure(t, "missing_blocks")
             return
         except pf.CorruptBlock as e:
-            log.warning("pool block %s is corrupt (%s): quarantined, recomputing", key.hex(), e)
-            pf.quarantine(self.root, key, e.reason)
+            self._set_aside(key, path, e)
             self._record_failure(t, "corrupt_blocks")
             return
         except OSError as e:
@@ -326,16 +370,25 @@ class FsPoolWorker(KvConnectorWorker):
             self._stats["blocks_loaded"] += 1
             self._stats["load_seconds"] += time.perf_counter() - start
 
-    def _touch(self, path: str) -> None:
-        """Mark a file recently used for LRU trimming (at most once a minute per file: a
-        metadata write per load would cost more than the load)."""
-        if self.max_bytes is None:
-            return
+    def _set_aside(self, key: bytes, path: str, error: pf.CorruptBlock) -> None:
+        """Quarantine a corrupt file; one that cannot be moved (a read-only pool, quarantine/
+        replaced by a link) is remembered instead. Either way the block is recomputed."""
         try:
-            if time.time() - os.stat(path).st_mtime > TOUCH_INTERVAL_SECONDS:
-                os.utime(path)
-        except FileNotFoundError:
-            pass  # trimmed meanwhile: the bytes we read are still whole and verified
+            pf.quarantine(self.root, key, error.reason)
+        except OSError as e:
+            UNUSABLE_FILES.add(path)
+            log.warning("pool block %s is corrupt (%s) and cannot be quarantined (%s): "
+                        "skipped for the rest of this process, recomputing", key.hex(), error, e)
+            return
+        log.warning("pool block %s is corrupt (%s): quarantined, recomputing", key.hex(), error)
+
+    def _trim(self) -> None:
+        """Trim to max_bytes; a failure (a read-only pool, a directory replaced by a link) is
+        logged, never fatal: a pool past its cap still serves verified blocks."""
+        try:
+            trim_pool(self.root, self.max_bytes)
+        except OSError as e:
+            log.warning("pool trim to %d bytes failed: %s", self.max_bytes, e)
 
     def _record_failure(self, t: BlockTransfer, counter: str) -> None:
         with self._lock:
@@ -365,7 +418,7 @@ class FsPoolWorker(KvConnectorWorker):
             if trim:
                 self._bytes_since_trim = 0
         if trim:
-            trim_pool(self.root, self.max_bytes)
+            self._trim()
 
     def _staging(self) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)

@@ -10,13 +10,24 @@ against what the reader expects, and any mismatch is a miss (never loaded as KV)
 
 Checksum choice (measured here, 47 MB buffer): xxh3-64 26.8 GB/s, xxh64 18.4, crc32 6.2,
 blake2b 1.3. At the ~6 GB/s of a page-cache read, xxh3 costs ~20% of the read time.
+
+Nothing inside the pool can redirect Shoal: below the root (which the user names, and may
+be a link), every directory is opened with O_NOFOLLOW | O_DIRECTORY and every file
+relative to it (dir_fd), files with O_NOFOLLOW | O_NONBLOCK and checked with fstat. A link,
+FIFO, socket or device where Shoal expects its own directory or file is never followed,
+read, written, moved or deleted.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import stat
 import struct
+import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +44,15 @@ assert _FIELDS.size + _CRC.size <= HEADER_SIZE
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+VERIFY_CHUNK = 8 << 20  # bytes hashed at a time when a whole file is checked
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+# O_NONBLOCK: a FIFO planted under a block's name opens at once (then fstat refuses it)
+# instead of waiting for a writer; O_NOCTTY: a device never becomes our terminal
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 
 
 class BlockMissing(Exception):
-    """No file for this key (a plain miss)."""
+    """No usable file for this key (a plain miss)."""
 
 
 class CorruptBlock(Exception):
@@ -45,6 +61,11 @@ class CorruptBlock(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+class NotRegularFile(OSError):
+    """An entry where Shoal expects one of its files is something else (a link, FIFO, socket,
+    device or directory): never opened for reading, never written through, moved or deleted."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,21 @@ class BlockHeader:
 
 def checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def checksum_of_file(fd: int, offset: int, length: int) -> int:
+    """checksum() of `length` bytes of a file from `offset`, hashed VERIFY_CHUNK at a time
+    (xxh3's streaming form gives the one-shot value): memory stays bounded whatever the
+    length. CorruptBlock("truncated") if the file ends first."""
+    hasher = xxhash.xxh3_64()
+    view = memoryview(bytearray(min(VERIFY_CHUNK, length)))
+    while length > 0:
+        n = os.preadv(fd, [view[:min(len(view), length)]], offset)
+        if n == 0:
+            raise CorruptBlock("truncated", f"file ends {length} bytes early")
+        hasher.update(view[:n])
+        offset, length = offset + n, length - n
+    return hasher.intdigest()
 
 
 def encode_header(namespace: bytes, key: bytes, shape: tuple[int, ...], dtype: torch.dtype,
@@ -102,88 +138,308 @@ def block_path_str(root: str, key: bytes) -> str:
     return f"{root}/blocks/{h[:2]}/{h}.kv"
 
 
-def ensure_pool_dirs(root: Path) -> None:
-    for sub in ("", "blocks", "quarantine"):
-        (root / sub).mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+# -- opening what is inside the pool, never following links ----------------------------
 
+def open_pool_dir(root: Path | str, *names: str, create: bool = False) -> int:
+    """A directory fd of root/names[0]/names[1]/..., each below root opened without
+    following a link (root itself is followed: the user chose it), each after the first
+    relative to the one before. create: make missing ones, owner-only. Raises
+    FileNotFoundError if one is absent, NotADirectoryError if one is a link or not a
+    directory. The caller closes the fd."""
+    if not names:
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    # the first by path: one system call fewer than opening root, and as strict
+    fd = _open_subdir(None, os.path.join(root, names[0]), create)
+    try:
+        for name in names[1:]:
+            fd, parent = _open_subdir(fd, name, create), fd
+            os.close(parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_subdir(dir_fd: int | None, name: str, create: bool) -> int:
+    try:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        try:
+            os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
+        except FileExistsError:
+            pass  # another process made it meanwhile (or a link is there: refused below)
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except NotADirectoryError:
+        raise NotADirectoryError(errno.ENOTDIR, f"{name}/ is a symbolic link or not a "
+                                 "directory (Shoal never follows links inside a pool)") from None
+
+
+def open_regular_file(name: str, dir_fd: int) -> tuple[int, os.stat_result]:
+    """Open a file for reading if it is a regular file: (fd, its fstat). FileNotFoundError if
+    absent; NotRegularFile for a link (never followed), FIFO (never waited on), socket,
+    device or directory. The caller closes the fd."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # a link (O_NOFOLLOW); a socket
+            raise NotRegularFile(e.errno, f"{name} is not a regular file ({e.strerror})") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"{name} is a {entry_kind(st.st_mode)}, "
+                             "not a regular file")
+    return fd, st
+
+
+def entry_kind(mode: int) -> str:
+    """What a directory entry is, in words (for reports)."""
+    for test, kind in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "device"
+
+
+def ensure_pool_dirs(root: Path) -> None:
+    """Create root (with its parents), root/blocks and root/quarantine, owner-only. OSError if
+    root cannot be a directory (a file in the way, no permission); NotADirectoryError if
+    blocks/ or quarantine/ is a link or not a directory."""
+    os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+    for sub in ("blocks", "quarantine"):
+        os.close(open_pool_dir(root, sub, create=True))
+
+
+def is_block_file(path: str) -> bool:
+    """Lookup hint: a regular file is published at this block path (from block_path_str) in a
+    real directory; a link or anything else there is a miss. The read verifies the file."""
+    try:
+        return (stat.S_ISREG(os.lstat(path).st_mode)
+                and stat.S_ISDIR(os.lstat(path[:path.rindex("/")]).st_mode))
+    except OSError:
+        return False
+
+
+# -- blocks ------------------------------------------------------------------------------
 
 def write_block(root: Path, namespace: bytes, key: bytes, payload: memoryview,
                 shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     """Publish one block atomically; False if the key already exists (never overwritten).
-    OSError propagates after the temp file is removed."""
-    final = block_path(root, key)
-    if final.exists():
-        return False
-    final.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    OSError (the temp file removed) if it cannot: also NotADirectoryError if the block's
+    directory is a link, NotRegularFile if something else occupies the block's name."""
+    h = key.hex()
+    name = f"{h}.kv"
+    dir_fd = open_pool_dir(root, "blocks", h[:2], create=True)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-        with open(fd, "wb", buffering=0) as f:
-            f.write(encode_header(namespace, key, shape, dtype, payload.nbytes, checksum(payload)))
-            f.write(payload)
         try:
-            os.link(tmp, final)  # atomic and never replaces an existing file
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            header = encode_header(namespace, key, shape, dtype, payload.nbytes, checksum(payload))
+            return _publish(dir_fd, name, header, payload)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EEXIST, f"a {entry_kind(st.st_mode)} occupies {name}")
+        return False
+    finally:
+        os.close(dir_fd)
+
+
+def _publish(dir_fd: int, name: str, header: bytes, payload: memoryview) -> bool:
+    tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE,
+                     dir_fd=dir_fd)
+        with open(fd, "wb", buffering=0) as f:
+            f.write(header)
+            f.write(payload)
+        try:  # atomic and never replaces an existing file
+            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:
             return False
         return True
     finally:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
 
 
 def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
-                    shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    """Read a block's payload straight into `dest` and verify it. Raises BlockMissing or
-    CorruptBlock (then `dest` holds garbage the caller must not use). Returns the path.
-    Three system calls: open, fstat, one preadv for header and payload together."""
-    path = block_path_str(str(root), key)
+                    shape: tuple[int, ...], dtype: torch.dtype,
+                    touch_after: float | None = None) -> str:
+    """Read a block's payload straight into `dest` and verify it. Raises BlockMissing (also
+    for a link or special file: never followed or read) or CorruptBlock (then `dest` holds
+    garbage the caller must not use). touch_after: refresh the file's mtime (LRU) if it is
+    older than this many seconds. Returns the path. Past the two directory opens: open,
+    fstat, one preadv for header and payload together, close."""
+    h = key.hex()
+    fd, st = _open_block(root, h)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise BlockMissing(key.hex()) from None
-    try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         header_buf = bytearray(HEADER_SIZE)
         n = os.preadv(fd, [header_buf, dest], 0) if size >= HEADER_SIZE else size
+        header = parse_header(bytes(header_buf[:min(n, HEADER_SIZE)]))
+        if header.namespace != namespace:
+            raise CorruptBlock("namespace", "written by another model/layout")
+        if header.key != key:
+            raise CorruptBlock("key", "header key differs from the file name")
+        if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
+            raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
+        if header.payload_len != dest.nbytes:
+            raise CorruptBlock("length", f"{header.payload_len} != {dest.nbytes}")
+        if size != HEADER_SIZE + dest.nbytes:
+            reason = "truncated" if size < HEADER_SIZE + dest.nbytes else "length"
+            raise CorruptBlock(reason, f"file of {size} bytes")
+        if checksum(dest) != header.checksum:
+            raise CorruptBlock("checksum", "payload checksum mismatch")
+        if touch_after is not None and time.time() - st.st_mtime > touch_after:
+            _touch(fd)
     finally:
         os.close(fd)
-    header = parse_header(bytes(header_buf[:min(n, HEADER_SIZE)]))
-    if header.namespace != namespace:
-        raise CorruptBlock("namespace", "written by another model/layout")
-    if header.key != key:
-        raise CorruptBlock("key", "header key differs from the file name")
-    if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
-        raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
-    if header.payload_len != dest.nbytes:
-        raise CorruptBlock("length", f"{header.payload_len} != {dest.nbytes}")
-    if size != HEADER_SIZE + dest.nbytes:
-        reason = "truncated" if size < HEADER_SIZE + dest.nbytes else "length"
-        raise CorruptBlock(reason, f"file of {size} bytes")
-    if checksum(dest) != header.checksum:
-        raise CorruptBlock("checksum", "payload checksum mismatch")
-    return path
+    return block_path_str(str(root), key)
 
 
-def quarantine(root: Path, key: bytes, reason: str) -> None:
-    """Move a bad file aside so no reader trips on it again (another process may have done
-    it already: that is fine)."""
-    src = block_path(root, key)
-    dst = root / "quarantine" / f"{key.hex()}.{reason}.{os.getpid()}.{os.urandom(3).hex()}"
+def _open_block(root: Path, h: str) -> tuple[int, os.stat_result]:
+    # open_pool_dir(root, "blocks", h[:2]) spelled out: this runs for every block loaded
     try:
-        os.rename(src, dst)
-    except FileNotFoundError:
+        blocks_fd = os.open(f"{root}/blocks", _DIR_FLAGS)
+        try:
+            dir_fd = os.open(h[:2], _DIR_FLAGS, dir_fd=blocks_fd)
+        finally:
+            os.close(blocks_fd)
+    except (FileNotFoundError, NotADirectoryError) as e:  # a link: never followed
+        raise BlockMissing(f"{h}: {e}") from None
+    try:
+        return open_regular_file(f"{h}.kv", dir_fd)
+    except (FileNotFoundError, NotRegularFile) as e:
+        raise BlockMissing(f"{h}: {e}") from None
+    finally:
+        os.close(dir_fd)
+
+
+def _touch(fd: int) -> None:
+    """Best effort (a read-only pool cannot be touched; the read itself succeeded)."""
+    try:
+        os.utime(fd)
+    except OSError:
         pass
 
 
-def iter_block_files(root: Path):
-    """Published block files (temp files start with '.' and are skipped)."""
-    blocks = root / "blocks"
-    if not blocks.is_dir():
+def quarantine(root: Path, key: bytes, reason: str) -> None:
+    h = key.hex()
+    quarantine_file(root, h[:2], f"{h}.kv", reason)
+
+
+def quarantine_file(root: Path, sub: str, name: str, reason: str) -> None:
+    """Move root/blocks/<sub>/<name> (a bad block file) into quarantine/ so no reader trips on
+    it again; nothing to do if it is gone (another process may have done it). Raises OSError
+    if it cannot be moved (a read-only pool; quarantine/ or the directory a link; the entry
+    not a regular file): then the caller must stop using the file some other way."""
+    try:
+        src_fd = open_pool_dir(root, "blocks", sub)
+    except FileNotFoundError:
         return
-    for sub in sorted(blocks.iterdir()):
-        if sub.is_dir():
-            for p in sorted(sub.iterdir()):
-                if p.suffix == ".kv" and not p.name.startswith("."):
-                    yield p
+    try:
+        dst_fd = open_pool_dir(root, "quarantine", create=True)
+        try:
+            st = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFile(errno.EINVAL, f"{name} is a {entry_kind(st.st_mode)}")
+            dst = f"{name.removesuffix('.kv')}.{reason}.{os.getpid()}.{os.urandom(3).hex()}"
+            os.rename(name, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+
+
+# -- scanning (the pool tools) ------------------------------------------------------------
+
+_SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
+_BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.kv")  # keys are 32 bytes
+_TEMP_NAME = re.compile(r"\.([0-9a-f]{64})\.kv\.[0-9]+\.[0-9a-f]{8}\.tmp")  # see _publish
+
+
+@dataclass(frozen=True)
+class PoolEntry:
+    """One entry below root/blocks, as a scan found it (lstat: never followed)."""
+
+    sub: str  # its blocks/ subdirectory ("" for an entry of blocks/ itself)
+    name: str
+    kind: str  # "block", "temp" (a write in progress, or a crashed one), or why it is skipped
+    size: int
+    mtime: float
+    dir_fd: int  # the open directory holding it; valid until the scan moves on
+
+    @property
+    def relpath(self) -> str:
+        return f"blocks/{self.sub}/{self.name}" if self.sub else f"blocks/{self.name}"
+
+
+def scan_blocks(root: Path) -> Iterator[PoolEntry]:
+    """Every entry below root/blocks in name order, never following a link. Files in the
+    two-hex-digit directories are "block" (a regular file named <key hex>.kv in the directory
+    of its first two digits) or "temp" (a regular file named as _publish names its writes);
+    anything else is yielded with why the tools skip it, and is never entered or opened.
+    Nothing if blocks/ is absent; NotADirectoryError if it is a link or not a directory."""
+    try:
+        blocks_fd = open_pool_dir(root, "blocks")
+    except FileNotFoundError:
+        return
+    try:
+        for name, st in _entries(blocks_fd):
+            if stat.S_ISDIR(st.st_mode) and _SUBDIR_NAME.fullmatch(name):
+                yield from _scan_subdir(blocks_fd, name)
+            else:
+                kind = ("misnamed directory" if stat.S_ISDIR(st.st_mode) else
+                        "misplaced file" if stat.S_ISREG(st.st_mode) else entry_kind(st.st_mode))
+                yield PoolEntry("", name, kind, st.st_size, st.st_mtime, blocks_fd)
+    finally:
+        os.close(blocks_fd)
+
+
+def _scan_subdir(blocks_fd: int, sub: str) -> Iterator[PoolEntry]:
+    try:
+        fd = _open_subdir(blocks_fd, sub, create=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # removed or replaced since it was listed
+    try:
+        for name, st in _entries(fd):
+            yield PoolEntry(sub, name, _file_kind(sub, name, st.st_mode), st.st_size,
+                            st.st_mtime, fd)
+    finally:
+        os.close(fd)
+
+
+def _file_kind(sub: str, name: str, mode: int) -> str:
+    if not stat.S_ISREG(mode):
+        return entry_kind(mode)
+    named = _BLOCK_NAME.fullmatch(name) or _TEMP_NAME.fullmatch(name)
+    if named is None or not named[1].startswith(sub):  # a reader would never look there
+        return "misnamed"
+    return "block" if name.endswith(".kv") else "temp"
+
+
+def _entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of a directory's entries, sorted; those removed meanwhile left out."""
+    with os.scandir(dir_fd) as it:
+        names = sorted(e.name for e in it)
+    out = []
+    for name in names:
+        try:
+            out.append((name, os.stat(name, dir_fd=dir_fd, follow_symlinks=False)))
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def iter_block_files(root: Path) -> Iterator[Path]:
+    """Paths of the published block files (see scan_blocks)."""
+    for entry in scan_blocks(root):
+        if entry.kind == "block":
+            yield Path(root) / entry.relpath
