@@ -28,7 +28,8 @@ class EngineConfig:
     overlap_scheduler: bool = True  # schedule step N+1 while step N runs
     enable_prefix_caching: bool = True  # reuse full blocks across requests on a rank
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-    dtype: str = "float32"  # weights and KV cache
+    dtype: str = "auto"  # weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU
+    enforce_eager: bool = False  # CUDA: never replay captured decode graphs
     dp_size: int = 1  # attention data-parallel ranks
     tp_size: int = 1  # tensor-parallel ranks
     kv_connector: ConnectorConfig | None = None  # the KV pool connector; None = no pool
@@ -46,8 +47,11 @@ class EngineConfig:
         if (isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))
                 or not math.isfinite(self.kv_cache_gb) or self.kv_cache_gb <= 0):
             raise ValueError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("overlap_scheduler", "enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -69,6 +73,10 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype "auto" stands for: bfloat16 on CUDA, float32 on CPU (where half-precision
+        matrix products are far slower)."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
 
 

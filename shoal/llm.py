@@ -124,9 +124,8 @@ class LLM:
         """Cancel what is still running, drain pending KV saves (each gets at most the
         connector's control_grace_sec), stop. Raises the connector's error if that fails."""
         if self._engine is not None:
-            engine, self._engine = self._engine, None
+            self._engine = None
             self._driver.stop()
-            del engine
 
     def __enter__(self) -> "LLM":
         return self

@@ -155,6 +155,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_local_prefix_tokens: int  # served from this rank's own prefix cache
     num_connector_tokens: int  # loaded from the pool through the connector
+    logprobs: list | None = None  # one sampling.TokenLogprobs per token, if the request asked
 
     @classmethod
     def from_request(cls, req: Request, text: str = "") -> RequestOutput:
@@ -173,6 +174,7 @@ class StepResult:
 
     new_tokens: dict[str, list[int]] = field(default_factory=dict)  # rid -> ids since the last
     finished: list[RequestOutput] = field(default_factory=list)  # done: nothing of theirs pending
+    new_logprobs: dict[str, list] = field(default_factory=dict)  # rid -> TokenLogprobs of new_tokens
 
     def __bool__(self) -> bool:
         return bool(self.new_tokens or self.finished)
@@ -181,5 +183,7 @@ class StepResult:
         """This result followed by `later` (tokens in order, finished appended)."""
         for rid, ids in later.new_tokens.items():
             self.new_tokens.setdefault(rid, []).extend(ids)
+        for rid, logprobs in later.new_logprobs.items():
+            self.new_logprobs.setdefault(rid, []).extend(logprobs)
         self.finished += later.finished
         return self

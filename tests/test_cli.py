@@ -101,3 +101,36 @@ def test_generate_with_kv_pool_reuses_across_runs(smollm2_path, tmp_path):
     assert a["token_ids"] == b["token_ids"]
     assert a["num_connector_tokens"] == 0 and b["num_connector_tokens"] > 100
     assert json.loads(second.stdout.splitlines()[-1])["summary"]["pool_hit_blocks"] > 5
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_dp2_run_is_one_line(smollm2_path):
+    import os
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal", "generate", "--model", smollm2_path, "--dp", "2",
+         "--chat", "--prompt", "Write a very long story about a lighthouse keeper.",
+         "--max-tokens", "2000", "--num-kv-blocks", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    seen = b""
+    while b"requests" not in seen:  # the progress bar: the fleet is up and generating
+        chunk = os.read(proc.stderr.fileno(), 4096)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    _, rest = proc.communicate(timeout=120)
+    err = (seen + rest).decode(errors="replace")
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "requests" not in x]
+    assert proc.returncode == 130, err
+    assert lines == ["shoal: interrupted"], err
+
+
+@pytest.mark.slow
+def test_an_error_inside_a_rank_is_one_line(smollm2_path):
+    """A rank that cannot build its engine (a KV cache no machine holds): exit 1, one line."""
+    r = shoal("generate", "--model", smollm2_path, "--dp", "2", "--prompt", "hi",
+              "--kv-cache-gb", "1000000")
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank" in lines[0] and "restart is required" in lines[0], r.stderr

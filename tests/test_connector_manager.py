@@ -137,7 +137,7 @@ def test_hook_call_order_per_step(tiny_model, prompts, overlap):
 def test_connector_answers_are_validated(tiny_model, monkeypatch):
     late.reset()
     with LLM(tiny_model, block_size=4, num_kv_blocks=64, kv_connector=late_config()) as llm:
-        monkeypatch.setattr(llm.engine.transfers.scheduler, "get_num_new_matched_tokens",
+        monkeypatch.setattr(llm.engine.transfers.calls.scheduler, "get_num_new_matched_tokens",
                             lambda req, n: (0, True))
         with pytest.raises(RuntimeError, match=r"\(0, True\)"):
             llm.generate([[1, 2, 3, 4, 5]], SP)

@@ -20,8 +20,8 @@ def test_tiny_llama_on_cuda_matches_transformers(tiny_models, overlap):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("cuda")
     prompts = random_prompts(512, [1, 5, 17, 40, 90])
     expected = [hf_greedy(ref, p, 24) for p in prompts]
-    with LLM(str(path), device="cuda", block_size=4, num_kv_blocks=128, max_num_tokens=16,
-             overlap_scheduler=overlap) as llm:
+    with LLM(str(path), device="cuda", dtype="float32", block_size=4, num_kv_blocks=128,
+             max_num_tokens=16, overlap_scheduler=overlap) as llm:
         assert llm.engine.kv_cache.tensor.is_cuda
         outs = llm.generate(prompts, SamplingParams(max_tokens=24))
         llm.check_integrity()
@@ -31,7 +31,7 @@ def test_tiny_llama_on_cuda_matches_transformers(tiny_models, overlap):
 def test_smollm2_on_cuda_matches_transformers(smollm2_path, smollm2_hf):
     ref = smollm2_hf.to("cuda")
     try:
-        with LLM(smollm2_path, device="cuda", num_kv_blocks=256) as llm:
+        with LLM(smollm2_path, device="cuda", dtype="float32", num_kv_blocks=256) as llm:
             tok = llm.tokenizer
             prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                        for q in ("What is the capital of France?", "Name three primary colors.")]
@@ -92,3 +92,59 @@ def test_late_and_stalled_transfers_on_cuda(tiny_models, tmp_path):
         llm.check_integrity()
     assert [o.finish_reason for o in outs] == ["error", "error"]
     assert all("aborted" in o.error for o in outs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_half_precision_on_cuda_matches_transformers(tiny_models, dtype, eager):
+    """Paged kernels, and (eager=False) decode steps replayed from CUDA graphs."""
+    from tests.test_half import DTYPES, MAX_TOKENS, assert_greedy_matches, hf_greedy_logits, hf_model
+
+    path = tiny_models["gqa_tied"]
+    prompts = random_prompts(512, [1, 5, 17, 40, 90], seed=21)
+    ref = hf_model(path, DTYPES[dtype]).to("cuda")
+    with LLM(str(path), device="cuda", dtype=dtype, block_size=16, num_kv_blocks=128,
+             max_num_tokens=32, enforce_eager=eager) as llm:
+        assert llm.engine.runner.is_paged and (llm.engine.runner.graphs is None) == eager
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        llm.check_integrity()
+    exact = 0
+    for prompt, out in zip(prompts, outs):
+        tokens, logits = hf_greedy_logits(ref, prompt, MAX_TOKENS)
+        exact += assert_greedy_matches(ref, prompt, out.token_ids, tokens, logits, tol=0.02)
+    assert exact >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_graphs_give_the_eager_tokens(tiny_models, overlap):
+    """Ragged batches of many sizes (graphs padded to the ladder), prefix hits, preemption."""
+    path = str(tiny_models["mha_untied"])
+    shared = random_prompts(512, [33], seed=4)[0]
+    prompts = [shared + p for p in random_prompts(512, [1, 7, 20, 2, 60, 9, 3], seed=8)]
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (30, 5, 17, 40, 2, 25, 33)]
+    runs = {}
+    for eager in (True, False):
+        with LLM(path, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=40,
+                 max_batch_size=6, overlap_scheduler=overlap, enforce_eager=eager) as llm:
+            runs[eager] = [o.token_ids for o in llm.generate(prompts, sp)]
+            if not eager:
+                assert llm.engine.runner.graphs.num_replays > 0
+            llm.check_integrity()
+    assert runs[False] == runs[True]
+
+
+def test_decode_graphs_with_a_pool_on_cuda(tiny_models, tmp_path):
+    """Layer hooks around a replayed step: the pool round trip gives the no-pool tokens."""
+    path = str(tiny_models["gqa_tied"])
+    prompts = random_prompts(512, [45, 30, 9], seed=2)
+    kw = dict(device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=128)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    with LLM(path, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+    for _ in range(2):
+        with LLM(path, kv_pool=str(tmp_path), **kw) as llm:
+            outs = llm.generate(prompts, sp)
+            assert llm.engine.runner.graphs.num_replays > 0
+            llm.check_integrity()
+        assert [o.token_ids for o in outs] == expected
+    assert [o.num_connector_tokens for o in outs] == [32, 16, 0]

@@ -144,6 +144,7 @@ def test_unknown_kwarg_is_type_error(tiny_model):
     (dict(max_num_tokens=-1), "max_num_tokens"), (dict(num_kv_blocks=0), "num_kv_blocks"),
     (dict(kv_cache_gb=float("nan")), "kv_cache_gb"), (dict(dtype="int8"), "dtype"),
     (dict(device="tpu"), "device"), (dict(dp_size=0), "dp_size"), (dict(tp_size=0), "tp_size"),
+    (dict(enforce_eager="yes"), "enforce_eager"), (dict(overlap_scheduler=1), "overlap_scheduler"),
 ])
 def test_invalid_config_names_the_field(tiny_model, kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -324,7 +324,7 @@ def test_shutdown_expiring(tiny_model, prompts, tmp_path, abort):
 
 def test_freeing_blocks_under_a_pending_load_is_refused_and_fatal(tiny_model, prompts,
                                                                   warm_pool):
-    from shoal.engine.transfers import is_kept_alive
+    from shoal.engine.connector_calls import is_kept_alive
     from shoal.request import NewRequest
     cfg = faulty(warm_pool, {"load_polls": -1}, timeout=600)
     llm = make_llm(tiny_model, cfg, 1, False)

@@ -8,7 +8,8 @@ import argparse
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         from shoal.bench.throughput import run_throughput
-        return run_throughput(args.model, args.num_prompts, args.max_tokens, args.device)
+        return run_throughput(args.model, args.num_prompts, args.max_tokens, args.device,
+                              args.rounds, args.prompt_len, args.dtype, args.enforce_eager)
     if args.bench == "ttft":
         from shoal.bench.ttft import run_ttft, run_ttft_dp
         if args.dp > 1:
@@ -20,4 +21,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "adp":
         from shoal.bench.adp import run_adp
         return run_adp(args.model, args.num_prompts, args.max_tokens, args.device)
+    if args.bench == "serve":
+        from shoal.bench.serve import run_serve_bench
+        return run_serve_bench(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")

@@ -57,11 +57,11 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
     with torch.device("meta"):
         model = LlamaModel(cfg, peers.shard)
-    model = model.to_empty(device=device)
+    model = model.to(dtype).to_empty(device=device)  # storage allocated once, in its dtype
     model.tie_weights_if_needed()
-    model.inv_freq.copy_(rope_inv_freq(cfg))
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the dtype (as transformers)
     model.load_hf_state_dict(source.weights)
-    model = model.to(dtype).eval()
+    model.eval()
     del source.weights
 
     num_kv_heads = cfg.num_kv_heads // peers.shard.attention_size

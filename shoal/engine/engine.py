@@ -26,7 +26,8 @@ from shoal.engine.build import EngineInfo, build_engine_parts
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.peers import Peers, StepVote
 from shoal.engine.scheduler import ScheduledBatch, Scheduler
-from shoal.engine.transfers import TransferReport, keep_alive
+from shoal.engine.connector_calls import keep_alive
+from shoal.engine.transfers import TransferReport
 from shoal.model.tokenizer import Tokenizer
 from shoal.request import NewRequest, Request, RequestOutput, RequestStatus, StepResult
 
@@ -75,6 +76,7 @@ class _Executed:
 
     sampled: list[int]  # one token per sampling chunk, in chunk order
     transfers: TransferReport | None  # the connector's poll at the end of the step
+    logprobs: list | None = None  # per sampled token: its TokenLogprobs or None (not asked)
 
 
 class Engine:
@@ -92,7 +94,9 @@ class Engine:
         self.eos_token_ids = parts.eos_token_ids
         self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
                                    self.info.max_model_len, self.transfers)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device,
+                                  self.info.max_model_len, config.max_batch_size,
+                                  config.enforce_eager)
         self.overlap = config.overlap_scheduler
         self._forward = (ThreadPoolExecutor(1, thread_name_prefix="shoal-forward")
                          if self.overlap else None)
@@ -103,6 +107,7 @@ class Engine:
         self._rejected: list[Request] = []  # ended at add (returned by the next step)
         self._held: list[Request] = []  # ended while a save of theirs is pending (SAVING)
         self._num_streamed: dict[str, int] = {}  # rid -> output tokens handed out
+        self._logprobs: dict[str, list] = {}  # rid -> TokenLogprobs per output token (if asked)
         self.num_iterations = 0
         self.num_forward_passes = 0
         self.forward_seconds = 0.0  # wall time of forwards (incl. sampling), executing thread
@@ -205,7 +210,7 @@ class Engine:
             sampled = self.runner.execute(batch, token_counts, hooks)
             self.forward_seconds += time.perf_counter() - start
         report = transfers.end_step(batch.transfers) if transfers is not None else None
-        return _Executed(sampled, report)
+        return _Executed(sampled, report, self.runner.take_logprobs())
 
     def _update(self, keep: int) -> list[Request]:
         """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
@@ -217,8 +222,12 @@ class Engine:
             outcome = None
             if out.transfers is not None:
                 outcome = self.transfers.apply(batch.transfers, out.transfers)
+            asked = self._logprobs_asked(batch, out.logprobs)
             # a step still in flight may write the blocks of requests ending now
             done = self.scheduler.update(batch, out.sampled, bool(self._inflight), outcome)
+            for req, num_before, logprobs in asked:  # kept for the tokens that were appended
+                if len(req.output_token_ids) > num_before:
+                    self._logprobs.setdefault(req.request_id, []).append(logprobs)
             self._forget_ids += [r.request_id for r in done]
             ended += done
         if not self._inflight:
@@ -237,6 +246,8 @@ class Engine:
             n = self._num_streamed.get(rid, 0)
             if len(req.output_token_ids) > n:
                 result.new_tokens[rid] = req.output_token_ids[n:]
+                if rid in self._logprobs:
+                    result.new_logprobs[rid] = self._logprobs[rid][n:]
                 self._num_streamed[rid] = len(req.output_token_ids)
         pending, self._rejected = [*self._held, *self._rejected, *ended], []
         self._held = [r for r in pending if r.status == RequestStatus.SAVING]
@@ -248,7 +259,18 @@ class Engine:
                 self._counts["generated_tokens"] += len(req.output_token_ids)
                 self._counts["local_prefix_hit_tokens"] += req.num_local_prefix_tokens or 0
                 result.finished.append(RequestOutput.from_request(req))
+                result.finished[-1].logprobs = self._logprobs.pop(req.request_id, None)
         return result
+
+    @staticmethod
+    def _logprobs_asked(batch: ScheduledBatch, logprobs: list | None) -> list:
+        """(request, its output count before the update, TokenLogprobs) of each sample
+        whose request asked for logprobs (a sample the update drops gets none)."""
+        if logprobs is None:
+            return []
+        sampling = [c.request for c in batch.chunks if c.is_sampling]
+        return [(req, len(req.output_token_ids), lp)
+                for req, lp in zip(sampling, logprobs) if lp is not None]
 
     # -- the rest ------------------------------------------------------------------------------
 
@@ -262,6 +284,11 @@ class Engine:
         s["cancellations"] = self.scheduler.num_cancellations
         s["forward_seconds"] = self.forward_seconds
         s["kv_blocks_used"] = sum(b.ref_count > 0 for b in self.kv_manager.pool.blocks)
+        s["num_kv_blocks"] = self.kv_manager.pool.num_blocks
+        # the server's gauges: computing now, and queued (new, preempted or loading KV)
+        s["num_requests_running"] = len(self.scheduler.running)
+        s["num_requests_waiting"] = (len(self.scheduler.waiting)
+                                     + (self.transfers.num_loading if self.transfers else 0))
         s.update(self.peers.counters())
         if self.transfers is not None:
             s.update(self.transfers.stats())

@@ -3,47 +3,123 @@
 Runs on the thread that executes steps (the caller's in the plain loop, a worker in the
 overlap loop). Steps execute strictly in order, which is what lets a step read the
 token a previous step sampled (`last_sampled`) before the scheduler has seen it.
+
+Two input paths, the same model:
+- reference (CPU, or no Triton): per-step tensors for gather + SDPA attention;
+- paged (CUDA with Triton): the step's integer inputs packed into one pinned host
+  buffer and sent with one copy (`StepInputs`), attention by the paged kernels; a step
+  of single-token decodes replays a CUDA graph captured for its batch size
+  (`shoal.engine.cuda_graphs`) unless `enforce_eager`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from shoal.engine.cuda_graphs import DecodeGraphs, StepInputs
+from shoal.engine.scheduler import ScheduledBatch
 from shoal.kv.kv_cache import KVCache
 from shoal.kv.kv_cache_manager import cdiv
-from shoal.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
-from shoal.sampling import Sampler
-from shoal.engine.scheduler import ScheduledBatch
+from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs, PrefillSeq
+from shoal.model.paged_attention import HAS_TRITON
+from shoal.sampling import Sampler, TokenLogprobs, compute_logprobs
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device,
+                 max_model_len: int, max_batch_size: int, enforce_eager: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
         self.last_sampled: dict[str, int] = {}  # request id -> its latest sampled token
+        self._logprobs: list[TokenLogprobs | None] | None = None  # the last execute's, if asked
+        self.is_paged = device.type == "cuda" and HAS_TRITON
+        # block-table columns: no request grows past the context or the whole cache
+        max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
+        self.table_width = cdiv(max_len, self.block_size)
+        self._inputs = StepInputs(device) if self.is_paged else None
+        self.graphs = None
+        if self.is_paged and not enforce_eager and model.shard.size == 1:
+            self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_width)
 
     def execute(self, batch: ScheduledBatch, token_counts: list[int], layer_hooks=None) -> list[int]:
         """Run one step; returns one sampled token per sampling chunk, in chunk order.
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
         `layer_hooks` (the connector's worker hooks) are called around every layer."""
-        input_ids, positions, meta, sample_rows = self._prepare(batch, token_counts)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
-            logits = self.model.compute_logits(hidden[sample_rows])
         sampling = [c for c in batch.chunks if c.is_sampling]
+        with torch.inference_mode():
+            if self.graphs is not None and self.graphs.can_replay(batch):
+                logits = self.graphs.replay(batch, self._token_ids, layer_hooks)
+            else:
+                prepare = self._prepare_paged if self.is_paged else self._prepare
+                input_ids, positions, meta, sample_rows = prepare(batch, token_counts)
+                hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
+                logits = self.model.compute_logits(hidden[sample_rows])
         tokens = self.sampler.sample(logits, [c.request.request_id for c in sampling],
                                      [c.request.sampling for c in sampling])
         for chunk, token in zip(sampling, tokens):
             self.last_sampled[chunk.request.request_id] = token
+        num_top = [c.request.sampling.logprobs for c in sampling]
+        if any(k is not None for k in num_top):  # only rows whose request asked
+            self._logprobs = compute_logprobs(logits, tokens, num_top)
         return tokens
+
+    def take_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The logprobs of the last `execute`'s samples (one per sampled token, None where
+        not asked), or None if no request in it asked; cleared by the call."""
+        logprobs, self._logprobs = self._logprobs, None
+        return logprobs
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once a request can never be scheduled again."""
         self.last_sampled.pop(request_id, None)
         self.sampler.forget(request_id)
+
+    def _token_ids(self, chunk) -> list[int]:
+        """The chunk's token ids, its placeholder (overlap loop) filled from the last sample."""
+        if not chunk.num_placeholders:
+            return chunk.token_ids
+        assert chunk.num_placeholders == 1, f"{chunk.num_placeholders} placeholders"
+        return chunk.token_ids + [self.last_sampled[chunk.request.request_id]]
+
+    def _prepare_paged(self, batch: ScheduledBatch, token_counts: list[int]):
+        """The kernel path's inputs: one pinned buffer, one host-to-device copy."""
+        bs = self.block_size
+        ids, positions, slot_blocks, starts, lens, ctxs, tables, sample_rows = \
+            [], [], [], [], [], [], [], []
+        row = 0
+        for chunk in batch.chunks:
+            end = chunk.start + chunk.num_tokens
+            pos = np.arange(chunk.start, end, dtype=np.int32)
+            blocks = np.asarray(chunk.block_ids[:cdiv(end, bs)], dtype=np.int32)
+            ids.append(np.asarray(self._token_ids(chunk), dtype=np.int32))
+            positions.append(pos)
+            slot_blocks.append(blocks[pos // bs])
+            tables.append(blocks)
+            starts.append(row)
+            lens.append(chunk.num_tokens)
+            ctxs.append(end)
+            row += chunk.num_tokens
+            if chunk.is_sampling:
+                sample_rows.append(row - 1)
+        width = max((len(t) for t in tables), default=1)
+        table = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        pos = np.concatenate(positions) if positions else np.zeros(0, np.int32)
+        (input_ids, positions_d, slot_block_ids, slot_offsets, starts_d, lens_d, ctx_d,
+         table_d, rows_d) = self._inputs.send(
+            [np.concatenate(ids) if ids else pos, pos,
+             np.concatenate(slot_blocks) if slot_blocks else pos, pos % bs,
+             np.asarray(starts, np.int32), np.asarray(lens, np.int32),
+             np.asarray(ctxs, np.int32), table, np.asarray(sample_rows, np.int32)])
+        paged = PagedInputs(table_d, starts_d, lens_d, ctx_d, max(lens, default=1))
+        meta = AttentionMetadata(slot_block_ids, slot_offsets, None, None, None, 0, [],
+                                 dp_token_counts=token_counts, paged=paged)
+        return input_ids, positions_d, meta, rows_d.long()
 
     def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
         bs = self.block_size
@@ -57,12 +133,8 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         for chunk in batch.chunks:
             row = len(token_ids)
-            ids = chunk.token_ids
-            if chunk.num_placeholders:
-                assert chunk.num_placeholders == 1, f"{chunk.num_placeholders} placeholders"
-                ids = ids + [self.last_sampled[chunk.request.request_id]]
             end = chunk.start + chunk.num_tokens
-            token_ids.extend(ids)
+            token_ids.extend(self._token_ids(chunk))
             positions.extend(range(chunk.start, end))
             slot_blocks.extend(chunk.block_ids[p // bs] for p in range(chunk.start, end))
             num_blocks = cdiv(end, bs)

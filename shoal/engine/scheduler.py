@@ -266,7 +266,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
-        if token in req.stop_token_ids:
+        if token in req.stop_token_ids and len(req.output_token_ids) > req.sampling.min_tokens:
             return "stop"
         if (len(req.output_token_ids) >= req.sampling.max_tokens
                 or req.num_tokens >= self.max_request_len):

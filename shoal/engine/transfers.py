@@ -1,4 +1,5 @@
-"""KVTransfers: the engine's one owner of KV transfers, and the only caller of a connector.
+"""KVTransfers: the engine's one owner of KV transfers (and, through ConnectorCalls, the
+only caller of a connector).
 
 Everything about a transfer lives here: which requests wait for a load (WAITING_FOR_LOAD)
 or hold their blocks for a save (SAVING), save episodes, pinned blocks, deadlines, aborts,
@@ -25,47 +26,28 @@ still read them. Under TP (`Agreement`), rank 0's scheduler side answers for eve
 and a transfer ends only when every rank's worker reports it.
 
 Failure policy (SPEC 6): every pending transfer has a deadline, set when it is first
-pending and never extended (a cancel or shutdown shortens it to the grace). An exception
-from any hook, a contract violation or an expired deadline (unless the worker supports
-abort) is fatal: `failure` is recorded, the connector is asked nothing more, every block
-stays held, and the engine stops with that message (a fleet votes it to every rank). An
-abort-capable worker's expired transfer is aborted and becomes its request's error. A
-hook call that does not return within transfer_timeout_sec is fatal too: the watchdog
-records it and tells `on_stuck`, since the thread that would raise is stuck in the hook.
+pending and never extended (a cancel or shutdown shortens it to the grace). A contract
+violation or an expired deadline (unless the worker supports abort) is fatal, as is a
+hook that raises or blocks (shoal.engine.connector_calls): `failure` is recorded, the
+connector is asked nothing more, every block stays held, and the engine stops with that
+message (a fleet votes it to every rank). An abort-capable worker's expired transfer is
+aborted and becomes its request's error.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    RequestData, RequestView, SchedulerOutput)
-from shoal.connectors.registry import resolve_connector
-from shoal.connectors.watchdog import HookWatchdog
+from shoal.engine.connector_calls import ConnectorCalls
 from shoal.engine.peers import Agreement
+from shoal.engine.transfer_poll import TransferPoller, TransferReport
 from shoal.kv.block_pool import BlockPool
 from shoal.request import Request, RequestStatus
-
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-NO_FAILURE = 1 << 62  # "no failed block" in an agreed minimum
-
-_KEEP_ALIVE: list = []
-
-
-def keep_alive(obj: Any) -> None:
-    """Keep memory a copy may still touch after a fatal failure referenced for the life of
-    the process: never freed or reused (a restart is required anyway)."""
-    _KEEP_ALIVE.append(obj)
-
-
-def is_kept_alive(obj: Any) -> bool:
-    return any(o is obj for o in _KEEP_ALIVE)
 
 
 @dataclass(frozen=True)
@@ -83,16 +65,6 @@ class TransferPlan:
 
 
 NO_TRANSFERS = TransferPlan()
-
-
-@dataclass
-class TransferReport:
-    """What the workers said at the end of a step (agreed over TP ranks)."""
-
-    finished_saving: set[str] = field(default_factory=set)
-    finished_loading: set[str] = field(default_factory=set)
-    failed_loads: dict[str, int] = field(default_factory=dict)  # rid -> first bad block index
-    aborted: set[str] = field(default_factory=set)  # transfers aborted at their deadline
 
 
 @dataclass
@@ -116,20 +88,12 @@ class KVTransfers:
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext,
                  registration: KVCacheRegistration, pool: BlockPool, agreement: Agreement,
                  on_stuck: Callable[[str], None] | None = None):
-        scheduler_cls, worker_cls = resolve_connector(config, attention_dp=ctx.num_owners > 1)
         self.config = config
         self.ctx = ctx
         self.pool = pool
-        self.agreement = agreement
-        self.scheduler = scheduler_cls(config, ctx) if agreement.is_lead else None
-        self.worker = worker_cls(config, ctx)
-        self.worker.register_kv_caches(registration)
-        self.failure: str | None = None  # the first fatal failure: the engine must stop
-        # told (from the watchdog's thread) when a hook call blocks: the engine's owner fails
-        # what waits on the stuck engine (LLM: its handles; a rank: the process)
-        self.on_stuck = on_stuck
-        self._watchdog = HookWatchdog(config.transfer_timeout_sec, self._hook_stuck)
-        self.layer_hooks = _LayerHooks(self)
+        self.calls = ConnectorCalls(config, ctx, registration, agreement, on_stuck)
+        self.layer_hooks = self.calls.layer_hooks
+        self.poller = TransferPoller(self.calls)
         self._loads: dict[str, _Load] = {}  # WAITING_FOR_LOAD: blocks held, in no batch
         self._saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
         self._save_epochs: dict[str, int] = {}  # rid -> episode of its pending save report
@@ -137,14 +101,8 @@ class KVTransfers:
         self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
         self._new_loads: list[Request] = []  # admitted for a load since the last plan
         self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
-        self._aborted: set[str] = set()  # aborted; a plan launched before may still list them
-        self._saved: dict[str, int] = {}  # rid -> save episode this rank's worker finished
-        self._loaded: set[str] = set()  # loads this rank's worker finished
-        self._failed: dict[str, int] = {}  # ... of which failed, from this block index on
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
-        self.num_deadline_expiries = 0
-        self.num_aborted = 0
 
     # -- what the scheduler asks ----------------------------------------------------------
 
@@ -158,7 +116,7 @@ class KVTransfers:
 
     def match(self, req: Request, num_computed: int) -> int:
         """Pool tokens beyond the local prefix hit, validated against the contract."""
-        num, is_async = self._ask(
+        num, is_async = self.calls.ask(
             "get_num_new_matched_tokens",
             lambda s: s.get_num_new_matched_tokens(self._view(req), num_computed), (0, False),
             req.request_id)
@@ -177,7 +135,7 @@ class KVTransfers:
         """Blocks were allocated for `req`. True: it waits here for its load (WAITING_FOR_LOAD)
         and computes from the step after the load is reported."""
         block_ids = list(req.block_ids)
-        self._ask("update_state_after_alloc",
+        self.calls.ask("update_state_after_alloc",
                   lambda s: s.update_state_after_alloc(self._view(req), block_ids), None,
                   req.request_id)
         if not num_external:
@@ -199,7 +157,7 @@ class KVTransfers:
                                           c.block_ids)
             (cached if seen else new).append(rd)
         out = SchedulerOutput(tuple(new), tuple(cached), self.ctx.owner_rank)
-        meta = self._ask("build_connector_meta", lambda s: s.build_connector_meta(out), None)
+        meta = self.calls.ask("build_connector_meta", lambda s: s.build_connector_meta(out), None)
         pending = [*self._save_epochs, *self._loads]
         return TransferPlan(meta, dict(self._save_epochs), tuple(self._loads),
                             {rid: self._deadlines.get(rid, math.inf) for rid in pending})
@@ -271,7 +229,7 @@ class KVTransfers:
         if not seen and req.request_id not in self._pins:
             return False
         block_ids = list(req.block_ids)
-        if not self._ask("request_finished",
+        if not self.calls.ask("request_finished",
                          lambda s: s.request_finished(self._view(req), block_ids), True,
                          req.request_id):
             return False
@@ -369,151 +327,31 @@ class KVTransfers:
                          num_scheduled, tuple(req.block_keys[:num_full]))
         return rd, seen is not None
 
-    # -- the worker side (the executing thread) ------------------------------------------------
+    # -- the worker side: on the executing thread (TransferPoller) ------------------------------
 
     def begin_step(self, plan: TransferPlan) -> None:
-        self._work("bind_connector_meta", lambda w: w.bind_connector_meta(plan.meta))
-        self._work("start_load_kv", lambda w: w.start_load_kv())
+        self.poller.begin_step(plan)
 
     def end_step(self, plan: TransferPlan) -> TransferReport:
-        """After the forward: saves enqueued, then a poll over the transfers pending when the
-        step was launched. Expired ones are aborted or fatal."""
-        self._work("wait_for_save", lambda w: w.wait_for_save())
-        self._work("clear_connector_meta", lambda w: w.clear_connector_meta())
-        report, expired = self._poll(plan)
-        # the overlap loop launches a step before the last one's report is applied: a
-        # transfer aborted there may still be listed as pending once
-        self._aborted.intersection_update((*plan.save_epochs, *plan.loading_ids))
-        expired = [rid for rid in expired if rid not in self._aborted]
-        if expired:
-            self.num_deadline_expiries += len(expired)
-            what = (f"a pending transfer passed its deadline (transfer_timeout_sec="
-                    f"{self.config.transfer_timeout_sec:g}, control_grace_sec="
-                    f"{self.config.control_grace_sec:g} after a cancel or shutdown)")
-            if not self.worker.supports_abort:
-                self.fail(what, expired[0])
-            else:
-                self._work("abort", lambda w: w.abort(expired))
-                if self.failure is None:
-                    log.warning("%s: aborted %s", what, expired)
-                    self.num_aborted += len(expired)
-                    self._aborted.update(expired)
-                    report.aborted.update(expired)
-        return report
+        return self.poller.end_step(plan)
 
-    def _poll(self, plan: TransferPlan) -> tuple[TransferReport, list[str]]:
-        """This rank's poll, agreed with its peers (done where every rank is done, expired
-        where any expired, failed from the first block any rank failed), and the transfers
-        still pending past their deadline."""
-        saves, loads = plan.save_epochs, plan.loading_ids
-        ask_save = [rid for rid, epoch in saves.items() if self._saved.get(rid) != epoch]
-        ask_load = [rid for rid in loads if rid not in self._loaded]
-        saved, loaded = self._work("get_finished", lambda w: w.get_finished(ask_save, ask_load),
-                                   ((), ()))
-        self._saved.update((rid, saves[rid]) for rid in saved if rid in saves)
-        self._loaded.update(rid for rid in loaded if rid in loads)
-        self._failed.update(self._work("get_failed_loads", lambda w: w.get_failed_loads(), {}) or {})
-        pending, now = [*saves, *loads], time.monotonic()
-        flags = ([int(self._saved.get(rid) == epoch) for rid, epoch in saves.items()]
-                 + [int(rid in self._loaded) for rid in loads]
-                 + [self._failed.get(rid, NO_FAILURE) for rid in loads]
-                 + [int(plan.deadlines.get(rid, math.inf) >= now) for rid in pending])
-        if not flags:  # the same on every rank: nothing pending, nothing to agree on
-            return TransferReport(), []
-        agreed = self.agreement.agree_min(flags)
-        n, m = len(saves), len(loads)
-        report = TransferReport()
-        for rid, done in zip(saves, agreed):
-            if done:
-                report.finished_saving.add(rid)
-                del self._saved[rid]
-        for i, rid in enumerate(loads):
-            if agreed[n + i]:
-                report.finished_loading.add(rid)
-                self._loaded.discard(rid)
-                self._failed.pop(rid, None)
-                if agreed[n + m + i] != NO_FAILURE:
-                    report.failed_loads[rid] = agreed[n + m + i]
-        expired = [rid for rid, ok in zip(pending, agreed[n + 2 * m:]) if not ok
-                   and rid not in report.finished_saving and rid not in report.finished_loading]
-        return report, list(dict.fromkeys(expired))
-
-    # -- calling the connector under the failure policy -------------------------------------
+    @property
+    def failure(self) -> str | None:
+        """The connector's first fatal failure (the engine must stop), or None."""
+        return self.calls.failure
 
     def fail(self, what: str, request_id: str | None = None) -> None:
-        """Record a fatal failure (the first one counts); the engine stops at its next step."""
-        if self.failure is not None:
-            return
-        about = f", request {request_id}" if request_id else ""
-        self.failure = (f"KV connector failure (owner {self.ctx.owner_rank}, rank {self.ctx.rank}"
-                        f"{about}): {what}. The engine must be restarted.")
-        log.error("%s", self.failure)
-
-    def _ask(self, hook: str, call: Callable[[Any], T], safe: T,
-             request_id: str | None = None) -> T:
-        """A scheduler-side hook, asked on the lead rank; every rank gets its answer and its
-        failure. `safe` is the answer once the connector failed (it is not asked again)."""
-        answer = None
-        if self.agreement.is_lead:
-            answer = (self._guarded(hook, lambda: call(self.scheduler), safe, request_id),
-                      self.failure)
-        value, failure = self.agreement.share(answer)
-        if failure is not None and self.failure is None:
-            self.failure = failure
-        return value
-
-    def _work(self, hook: str, call: Callable[[Any], T], safe: T = None) -> T:
-        return self._guarded(f"worker {hook}", lambda: call(self.worker), safe)
-
-    def _guarded(self, hook: str, fn: Callable[[], T], safe: T, request_id: str | None = None) -> T:
-        """fn() unless the connector failed; an exception is fatal; a call that blocks past
-        transfer_timeout_sec is seen by the watchdog."""
-        if self.failure is not None:
-            return safe
-        token = self._watchdog.enter(hook)
-        try:
-            return fn()
-        except Exception as e:
-            self.fail(f"{hook} raised {type(e).__name__}: {e}", request_id)
-            return safe
-        finally:
-            self._watchdog.leave(token)
-
-    def _hook_stuck(self, hook: str) -> None:
-        self.fail(f"{hook} did not return within transfer_timeout_sec="
-                  f"{self.config.transfer_timeout_sec:g} (a connector hook must not block)")
-        if self.on_stuck is not None:
-            self.on_stuck(self.failure)
+        self.calls.fail(what, request_id)
 
     # -- both --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        s = {**(self.scheduler.stats() if self.scheduler else {}), **self.worker.stats()}
+        s = self.calls.stats()
         s["connector_tokens_loaded"] = self.num_connector_tokens_loaded
         s["load_failures_recomputed"] = self.num_load_failures_recomputed
-        s["deadline_expiries"] = self.num_deadline_expiries
-        s["transfers_aborted"] = self.num_aborted
+        s["deadline_expiries"] = self.poller.num_deadline_expiries
+        s["transfers_aborted"] = self.poller.num_aborted
         return s
 
     def shutdown(self) -> None:
-        self._watchdog.stop()
-        if self.failure is not None:
-            # a copy may still be running: keep the connector and its memory, wait for nothing
-            keep_alive(self)
-            return
-        self.worker.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown()
-
-
-class _LayerHooks:
-    """The per-layer worker hooks, as the forward calls them (exceptions are fatal)."""
-
-    def __init__(self, transfers: KVTransfers):
-        self._transfers = transfers
-
-    def wait_for_layer_load(self, layer_idx: int) -> None:
-        self._transfers._work("wait_for_layer_load", lambda w: w.wait_for_layer_load(layer_idx))
-
-    def save_kv_layer(self, layer_idx: int) -> None:
-        self._transfers._work("save_kv_layer", lambda w: w.save_kv_layer(layer_idx))
+        self.calls.shutdown()

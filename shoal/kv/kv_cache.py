@@ -45,12 +45,14 @@ class KVCache:
     def __init__(self, layout: KVCacheLayout, device: torch.device):
         self.layout = layout
         # Zero-filled: padded attention reads unused slots with weight 0, and 0 * NaN from
-        # uninitialised memory would poison the output.
-        self.tensor = torch.zeros((layout.num_blocks, *layout.block_shape), dtype=layout.dtype,
-                                  device=device)
-        # layer i -> (k, v), each a [num_blocks, block_size, num_kv_heads, head_dim] view
-        self.layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1])
-                       for i in range(layout.num_layers)]
+        # uninitialised memory would poison the output. One block more than the layout's:
+        # the scratch block, where padded rows of a CUDA-graph batch write (no request owns it).
+        storage = torch.zeros((layout.num_blocks + 1, *layout.block_shape), dtype=layout.dtype,
+                              device=device)
+        self.tensor = storage[:layout.num_blocks]  # what the block pool and connectors see
+        self.scratch_block = layout.num_blocks
+        # layer i -> (k, v), each a [num_blocks + 1, block_size, num_kv_heads, head_dim] view
+        self.layers = [(storage[:, i, 0], storage[:, i, 1]) for i in range(layout.num_layers)]
 
     def block(self, block_id: int) -> torch.Tensor:
         """One block's bytes for all layers: a contiguous [num_layers, 2, bs, H, D] view."""

@@ -30,6 +30,25 @@ class PrefillSeq:
 
 
 @dataclass
+class PagedInputs:
+    """One step as the paged-attention kernels read it: per request with tokens this step."""
+
+    block_table: torch.Tensor  # [S, W] int32, each row padded with block 0
+    query_starts: torch.Tensor  # [S] int32: first row of the request's tokens in the batch
+    query_lens: torch.Tensor  # [S] int32: its tokens this step
+    context_lens: torch.Tensor  # [S] int32: tokens with KV after this step (0: padding)
+    max_query_len: int  # 1: every request decodes one token, rows in request order
+
+
+def paged_attention(q: torch.Tensor, paged: PagedInputs, k_cache, v_cache) -> torch.Tensor:
+    from shoal.model.paged_attention import paged_decode, paged_prefill
+    if paged.max_query_len == 1:
+        return paged_decode(q, k_cache, v_cache, paged.block_table, paged.context_lens)
+    return paged_prefill(q, k_cache, v_cache, paged.block_table, paged.query_starts,
+                         paged.query_lens, paged.context_lens, paged.max_query_len)
+
+
+@dataclass
 class AttentionMetadata:
     """Where each new token's KV goes and what each request attends to."""
 
@@ -41,6 +60,7 @@ class AttentionMetadata:
     decode_context_len: int  # keys attended by the longest decode
     prefills: list[PrefillSeq]
     dp_token_counts: list[int] | None = None  # ADP: every owner's tokens in this forward
+    paged: PagedInputs | None = None  # the kernel path (then the fields above are unused)
 
 
 class RMSNorm(nn.Module):
@@ -50,8 +70,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
+        # the variance in float32 whatever the dtype (as transformers computes it)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -103,7 +125,8 @@ class Shard:
 
 
 class Attention(nn.Module):
-    """Heads are split over the shard's ranks: qkv column-parallel, o_proj row-parallel."""
+    """Heads are split over the shard's ranks: qkv column-parallel (its bias too), o_proj
+    row-parallel. The q/k norms (Qwen3) weigh one head_dim, shared by every head: whole."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard):
         super().__init__()
@@ -114,7 +137,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
@@ -124,14 +149,22 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, before RoPE (as transformers' Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache[meta.slot_block_ids, meta.slot_offsets] = k
-        v_cache[meta.slot_block_ids, meta.slot_offsets] = v
+        if meta.paged is not None:
+            from shoal.model.paged_attention import store_kv
+            store_kv(k, v, k_cache, v_cache, meta.slot_block_ids, meta.slot_offsets)
+        else:
+            k_cache[meta.slot_block_ids, meta.slot_offsets] = k
+            v_cache[meta.slot_block_ids, meta.slot_offsets] = v
 
         if num_tokens == 0:  # an ADP padding step: this owner has nothing, its peers do
             out = q
+        elif meta.paged is not None:  # GPU: kernels that read the block table
+            out = paged_attention(q, meta.paged, k_cache, v_cache)
         elif not meta.prefills:  # steady-state decode: every row is one request's next token
             out = self._decode(q, meta, k_cache, v_cache)
         elif meta.decode_rows is None and len(meta.prefills) == 1:
@@ -263,7 +296,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # tables in float32, applied in x's
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
             if layer_hooks is not None:
                 layer_hooks.wait_for_layer_load(i)
@@ -313,6 +346,13 @@ class LlamaModel(nn.Module):
                     take(hf + "post_attention_layernorm.weight"))
                 own[p + "self_attn.qkv_proj.weight"].copy_(torch.cat(
                     [attn_rows(take(hf + f"self_attn.{x}_proj.weight")) for x in "qkv"]))
+                if self.cfg.qkv_bias:  # this rank's heads, like the weight rows
+                    own[p + "self_attn.qkv_proj.bias"].copy_(torch.cat(
+                        [attn_rows(take(hf + f"self_attn.{x}_proj.bias")) for x in "qkv"]))
+                if self.cfg.qk_norm:
+                    for x in "qk":
+                        own[p + f"self_attn.{x}_norm.weight"].copy_(
+                            take(hf + f"self_attn.{x}_norm.weight"))
                 own[p + "self_attn.o_proj.weight"].copy_(
                     attn_cols(take(hf + "self_attn.o_proj.weight")))
                 own[p + "mlp.gate_up_proj.weight"].copy_(torch.cat(

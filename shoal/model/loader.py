@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shoal.model.config import ModelConfig
+from shoal.model.config import FAMILIES, ModelConfig, RopeScaling
 from shoal.model.presets import PRESETS, cache_dir, fetch_preset
 
 
@@ -26,9 +26,13 @@ class ModelSource:
 
 
 def resolve_model_path(model: str) -> Path:
-    """Preset names are fetched into the cache; anything else must exist on disk."""
+    """Preset names are fetched into the cache; `random:<shape>` checkpoints are built into
+    it (shoal.model.random_ckpt); anything else must exist on disk."""
     if model in PRESETS:
         return fetch_preset(model)
+    if model.startswith("random:"):
+        from shoal.model.random_ckpt import random_checkpoint
+        return random_checkpoint(model.removeprefix("random:"))
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) "
@@ -80,21 +84,42 @@ def _load_hf_dir(path: Path) -> ModelSource:
     from safetensors.torch import load_file
 
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} has no *.safetensors weights")
+    files = _safetensors_files(path)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
     return ModelSource(config, weights, file_checksum(files), path, None)
 
 
+def _safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a HF directory: the shards its index names, else
+    model.safetensors, else every *.safetensors. The index comes first because some
+    repositories (Mistral's) also ship the same weights under other names
+    (consolidated.safetensors), which would be loaded twice."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that are not in {path}: {missing[:3]}")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights")
+    return files
+
+
 _GGUF_NAMES = {  # GGUF tensor suffix -> HF Llama name suffix
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# GGUF general.architecture -> family (llama.cpp converts Mistral checkpoints to "llama")
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -117,21 +142,32 @@ def load_model_config(model: str) -> ModelConfig:
 
 def _load_gguf(path: Path) -> ModelSource:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     config = _gguf_config(reader, path)
+    # llama.cpp interleaves the RoPE halves of q/k rows only in its Llama converter; Qwen
+    # models use its NEOX RoPE, which keeps HF's layout.
+    is_permuted = config.family == "llama"
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = t.name
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
-        if name.endswith("attn_q.weight"):
+        if name == "rope_freqs.weight":
+            continue  # read into config.rope_scaling
+        w = _dequantize(t)
+        if is_permuted and name.endswith("attn_q.weight"):
             w = _unpermute(w, config.num_heads)
-        elif name.endswith("attn_k.weight"):
+        elif is_permuted and name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
         weights[_hf_name(name)] = torch.from_numpy(np.require(w, requirements=['C', 'W']))
     return ModelSource(config, weights, file_checksum([path]), path.parent, path.name)
+
+
+def _dequantize(t) -> np.ndarray:
+    """A GGUF tensor as float32 in HF's shape (GGUF lists dims fastest-first)."""
+    from gguf.quants import dequantize
+
+    w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    return w.reshape([int(d) for d in reversed(t.shape)])
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
@@ -140,29 +176,52 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in GGUF_FAMILIES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(GGUF_FAMILIES)})")
+    family = GGUF_FAMILIES[arch]
+    scaling_type = field(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise ValueError(f"{path}: GGUF {arch}.rope.scaling.type {scaling_type!r} is not "
+                         "supported (only llama3 scaling stored as rope_freqs)")
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(f"{path}: GGUF rope_freqs (llama3 scaling) is not supported; "
-                         "load the HF directory of this model instead")
-    num_heads = field("llama.attention.head_count")
-    hidden = field("llama.embedding_length")
+    num_heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    head_dim = field(f"{arch}.attention.key_length") or field(
+        f"{arch}.rope.dimension_count", hidden // num_heads)
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if field(f"{arch}.{key}", head_dim) != head_dim:
+            raise ValueError(f"{path}: GGUF {arch}.{key} ({field(f'{arch}.{key}')}) differs "
+                             f"from the head dimension ({head_dim}); not supported")
+    rope_theta = float(field(f"{arch}.rope.freq_base", 10000.0))
+    scaling = None
+    if "rope_freqs.weight" in tensors:  # llama3 scaling, baked in by llama.cpp
+        factors = _dequantize(tensors["rope_freqs.weight"]).reshape(-1).tolist()
+        try:
+            scaling = RopeScaling.from_freq_factors(factors, rope_theta, head_dim)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    max_len = field(f"{arch}.context_length", 2048)
+    window = field(f"{arch}.attention.sliding_window")  # see hf_sliding_window
     eos = field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=tensors["token_embd.weight"].shape[1].item(),
         hidden_size=hidden,
-        intermediate_size=field("llama.feed_forward_length"),
-        num_layers=field("llama.block_count"),
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_layers=field(f"{arch}.block_count"),
         num_heads=num_heads,
-        num_kv_heads=field("llama.attention.head_count_kv", num_heads),
-        head_dim=field("llama.rope.dimension_count", hidden // num_heads),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=field("llama.context_length", 2048),
+        num_kv_heads=field(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_len if window is None else min(max_len, window),
         tie_word_embeddings="output.weight" not in tensors,
+        rope_scaling=scaling,
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+        family=family,
+        qkv_bias=FAMILIES[family].qkv_bias,
+        qk_norm=FAMILIES[family].qk_norm,
     )
 
 

@@ -10,10 +10,13 @@ collective group. If any rank dies or reports an error, the front raises, and
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import random
+import signal
 import socket
+import threading
 import time
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -39,6 +42,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _ranks_ignore_ctrl_c():
+    """Processes started inside inherit SIGINT ignored: a Ctrl-C reaches the front (which
+    shuts the ranks down in order), not every rank with a traceback of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal dispositions can only be changed from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class FleetError(RuntimeError):
     """A rank died or failed: the fleet is unusable (restart required)."""
 
@@ -61,15 +78,16 @@ class Fleet:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._conns, self._procs = [], []
         self._closed = False
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, name=f"shoal-rank-{rank}", daemon=True,
-                               args=(rank, self.world_size, init_method, config, child,
-                                     self.mode))
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        with _ranks_ignore_ctrl_c():
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=rank_main, name=f"shoal-rank-{rank}", daemon=True,
+                                   args=(rank, self.world_size, init_method, config, child,
+                                         self.mode))
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
         self._ids = itertools.count()
         self._router = Router(self.world_size, config.block_size)
         self._owner: dict[str, int] = {}  # rid -> owner rank (TP: 0), until it comes back

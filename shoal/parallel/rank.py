@@ -255,8 +255,6 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
         outbox.send(msg.Stopped(rank))
     except ConnectorError as e:  # the same message on every rank: the fleet must restart
         exit_fatal(rank, str(e), outbox)
-    except KeyboardInterrupt:  # the front's Ctrl-C reached the whole process group
-        os._exit(130)
     except BaseException as e:  # report anything to the front, then die with an error
         log.debug("rank %d failed", rank, exc_info=True)
         exit_fatal(rank, f"{type(e).__name__}: {e}", outbox, msg.Failed)
@@ -268,8 +266,10 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
 def exit_fatal(rank: int, message: str, outbox: PipeOutbox | None = None,
                kind: type = msg.Fatal) -> None:
     """Report why this rank stops to the front and end the process (nothing is freed under a
-    copy that may still run; the peers see this rank gone and stop too)."""
-    log.error("rank %d stops: %s", rank, message)
+    copy that may still run; the peers see this rank gone and stop too). With a front, the
+    front says it (one line for the user); without one (torchrun) this log line does."""
+    log.log(logging.DEBUG if outbox is not None else logging.ERROR, "rank %d stops: %s",
+            rank, message)
     if outbox is not None:
         try:
             outbox.send(kind(rank, message))

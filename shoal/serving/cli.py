@@ -1,4 +1,4 @@
-"""`shoal` command line: generate, demo, pool, bench.
+"""`shoal` command line: generate, serve, demo, pool, bench.
 
 Exit codes: 0 ok; 1 a runtime failure; 2 bad arguments or configuration.
 """
@@ -28,6 +28,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per rank (default 1.0)")
     p.add_argument("--no-overlap", action="store_true", help="use the plain executor loop")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache (default auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (no captured decode graphs)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,7 +39,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, max_batch_size=args.max_batch_size,
                 max_num_tokens=args.max_num_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_gb=args.kv_cache_gb, overlap_scheduler=not args.no_overlap,
-                device=args.device)
+                device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--json", action="store_true",
                    help="one JSON object per request, then {\"summary\": stats}")
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    _add_engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--served-model-name", metavar="NAME",
+                    help="the model's name in the API (default: the --model value)")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SEC",
+                    help="on SIGTERM/SIGINT, how long running requests may take to finish "
+                    "before they are cancelled (default 30)")
+    sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     d.add_argument("--model", default="smollm2", help=argparse.SUPPRESS)
@@ -80,18 +95,32 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     def model_bench(name: str, help_text: str, **ints: int) -> None:
         p = bsub.add_parser(name, help=help_text)
-        p.add_argument("--model", default="smollm2")
+        p.add_argument("--model", default="smollm2",
+                       help="preset, path, or random:<shape> (smollm2-135m, llama-1b, llama-8b)")
         p.add_argument("--device", default="cpu")
         for flag, default in ints.items():
             p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
+        return p
 
-    model_bench("throughput", "tokens/s vs transformers generate, and prefix-hit TTFT",
-                num_prompts=16, max_tokens=128)
+    t = model_bench("throughput", "tokens/s vs transformers generate, and prefix-hit TTFT",
+                    num_prompts=16, max_tokens=128, prompt_len=0, rounds=3)
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    t.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     model_bench("ttft", "TTFT of a long prefix from the pool vs recomputed (--dp 2: two "
                 "owners sharing the pool; --tp 3: every engine a TP fleet)",
                 prefix_tokens=2048, rounds=2, dp=1, tp=1)
     model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
                 num_prompts=16, max_tokens=64)
+    sb = bsub.add_parser("serve", help="shared-prefix workload against `shoal serve`: pool "
+                         "off / on / warm restart, and the library's TPOT")
+    sb.add_argument("--model", default="smollm2")
+    sb.add_argument("--device", default="cpu")
+    sb.add_argument("--url", help="a running server to load instead (one run, no restarts)")
+    sb.add_argument("--served-model-name", default="shoal-bench")
+    for flag, default in (("clients", 8), ("docs", 2), ("doc-tokens", 512), ("questions", 8),
+                          ("chats", 2), ("turns", 3), ("max-tokens", 16), ("dp", 1),
+                          ("num-kv-blocks", 1024)):
+        sb.add_argument(f"--{flag}", type=int, default=default)
     io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads")
     io.add_argument("--num-blocks", type=int, default=256)
     io.add_argument("--threads", type=int, default=4)
@@ -107,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "demo":
             from shoal.serving.demo import run_demo
             return run_demo(args.model, overlap=not args.no_overlap, pool_dir=args.kv_pool)
@@ -154,6 +185,27 @@ def _generate(args: argparse.Namespace) -> int:
             outs = llm.generate(prompts, sampling, use_tqdm=show_bar)
         stats = llm.stats()
     return _print_outputs(args, outs, stats)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from shoal import LLM
+    from shoal.serving.http import serve
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if args.kv_pool is not None:  # a bad pool directory fails before the weights load
+        from shoal.connectors.fs.connector import open_pool
+        from shoal.llm import pool_connector
+        open_pool(pool_connector(args.kv_pool))
+    llm = LLM(args.model, **_engine_kwargs(args))
+    try:
+        serve(llm, args.host, args.port, args.served_model_name or args.model,
+              args.shutdown_grace, access_log=args.access_log)
+    finally:
+        llm.shutdown()  # drains pending saves, stops every rank
+    return 0
 
 
 def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:

@@ -8,6 +8,10 @@ engine returns a request once it ended and nothing of it is pending: a save of i
 still running keeps it, as `generate` returns only after its saves).
 If the driver is stuck in a connector hook that never returns, the connector's watchdog
 `abandon`s it: every handle and later call gets the ConnectorError, nothing waits for it.
+
+A handle delivers its tokens either through `stream()` (a blocking iterator) or, after
+`subscribe(callback)`, by calling the callback on the driver thread: an asyncio server
+passes a callback that does `loop.call_soon_threadsafe(...)`, so no thread waits per stream.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ class RequestHandle:
         self._driver = driver
         self.request_id = request_id
         self._future: Future = Future()
-        self._tokens: queue.Queue = queue.Queue()
+        self._tokens: queue.Queue = queue.Queue()  # (token_ids, logprobs) batches, then _END
+        self._lock = threading.Lock()  # the queue vs a subscriber taking over
+        self._callback: Callable[[list[int] | None, list | None], None] | None = None
 
     def cancel(self) -> None:
         """End the request as "cancelled": at once, or (with a pending KV transfer) once the
@@ -55,18 +61,54 @@ class RequestHandle:
             if item is _END:
                 self._future.result()  # raise the engine's error, if that is how it ended
                 return
-            yield from item
+            yield from item[0]
 
-    def _push(self, token_ids: list[int]) -> None:
-        self._tokens.put(token_ids)
+    def subscribe(self, callback: Callable[[list[int] | None, list | None], None]) -> None:
+        """Deliver this request's tokens to `callback(token_ids, logprobs)` instead of
+        `stream()`: once per batch of new tokens (`logprobs`: one `TokenLogprobs` per token
+        when the request asked for them, else None), then `callback(None, None)` once the
+        request ended (`result()` returns at once from then on). Batches produced before
+        the call are delivered here, at once; later ones on the driver thread, so the
+        callback must be quick and thread-safe (e.g. `loop.call_soon_threadsafe`). An
+        exception it raises is logged and never reaches the engine."""
+        with self._lock:
+            while True:
+                try:
+                    item = self._tokens.get_nowait()
+                except queue.Empty:
+                    break
+                _call(callback, *((None, None) if item is _END else item))
+            self._callback = callback
+
+    def _push(self, token_ids: list[int], logprobs: list | None = None) -> None:
+        with self._lock:
+            if self._callback is not None:
+                _call(self._callback, token_ids, logprobs)
+            else:
+                self._tokens.put((token_ids, logprobs))
+
+    def _end(self) -> None:
+        with self._lock:
+            if self._callback is not None:
+                _call(self._callback, None, None)
+            else:
+                self._tokens.put(_END)
 
     def _finish(self, output: RequestOutput) -> None:
-        self._tokens.put(_END)
-        self._future.set_result(output)
+        self._future.set_result(output)  # first: a subscriber reads result() when told
+        self._end()
 
     def _fail(self, error: BaseException) -> None:
-        self._tokens.put(_END)
         self._future.set_exception(error)
+        self._end()
+
+
+def _call(callback: Callable, *args) -> None:
+    """A subscriber's callback; its failure is its own (logged), never the driver's."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("a request's token callback failed")
 
 
 class Driver:
@@ -126,6 +168,11 @@ class Driver:
             fut.result()
         finally:
             self._thread.join()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped for good (a fatal failure), or None while it runs."""
+        return self._error
 
     def abandon(self, error: BaseException) -> None:
         """The driver thread is stuck (in a connector hook): fail every handle and every
@@ -205,7 +252,7 @@ class Driver:
             for rid, token_ids in result.new_tokens.items():
                 handle = self._handles.get(rid)
                 if handle is not None:
-                    handle._push(list(token_ids))
+                    handle._push(list(token_ids), result.new_logprobs.get(rid))
             for out in result.finished:
                 handle = self._handles.pop(out.request_id, None)
                 if handle is None:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One call's work on the lent GPU (see docs/benchmarks.md): the CUDA tests, then benchmarks.
+#   scripts/gpu_round.sh tests            CUDA tests + kernel tests (compiled Triton)
+#   scripts/gpu_round.sh bench SHAPE ...  shoal bench throughput for random:<shape>s
+# Results go to $OUT (or ./gpu-out); the device machine's python3 has torch, Triton and
+# transformers; Shoal's pure-Python needs beyond those travel in .whl if missing.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 SHOAL_CACHE=/tmp/shoal-cache
+what=$1; shift
+if [ "$what" = tests ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' | tee -a "$OUT/gpu.txt"
+  python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_cuda.py \
+    -k "not smollm2" "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+else
+  for spec in "$@"; do  # shape:num_prompts:prompt_len:max_tokens
+    IFS=: read -r shape n len toks <<<"$spec"
+    python3 -m shoal bench throughput --model "random:$shape" --device cuda --num-prompts "$n" \
+      --prompt-len "$len" --max-tokens "$toks" --rounds 2 2>&1 | tee -a "$OUT/bench.log" | tail -8
+  done
+fi

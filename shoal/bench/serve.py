@@ -1,0 +1,331 @@
+"""`shoal bench serve`: a shared-prefix workload against `shoal serve` from N concurrent
+clients, with the pool off, on (cold), and after a restart on the warm pool; and the same
+requests through the library (`LLM.submit`, what `generate` runs) for the server's cost.
+
+Workload (deterministic): `docs` long documents (about `doc_tokens` tokens each) with
+`questions` questions each (a system message holding the document, a short user question),
+and `chats` multi-turn conversations of `turns` turns (each turn sends the whole history).
+A client takes the next job from a shared queue: one question, or one whole conversation
+(its turns in order). Every request is streamed, greedy, `max_tokens` tokens (ignore_eos,
+so every request has the same length). Per request: TTFT (send to first token), TPOT
+((last - first token) / (tokens - 1)), ITL (gaps between content chunks), the share of
+prompt tokens the server reported cached. `ttft_first_p50` is over the first request sent
+for each document or conversation (the ones that compute a prefix, or load it).
+
+The server's cost is measured on a decode-bound workload (short prompts, 2 per client,
+`4 * max_tokens` tokens each) against the library with the same concurrency, so that
+prefill chunks of other requests do not blur the TPOT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+READY_TIMEOUT_SECONDS = 600.0
+WORDS = ("harbor lantern keeper ledger tide storm vessel cargo north signal rope anchor "
+         "merchant island current beacon copper salt winter archive captain route fog "
+         "granite survey mill river bridge orchard council market festival charter").split()
+
+
+@dataclass
+class Job:
+    """One client task: the turns of a conversation (a question is a one-turn job)."""
+
+    system: str | None
+    questions: list[str]
+    prefix: str  # the document or conversation it belongs to
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it."""
+
+    ttft: float
+    tpot: float | None  # None for a one-token answer
+    gaps: list[float]  # seconds between content chunks
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    is_first: bool = False  # the first request sent for its document / conversation
+
+
+@dataclass
+class Phase:
+    name: str
+    samples: list[Sample] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def build_workload(docs: int, doc_tokens: int, questions: int, chats: int, turns: int,
+                   seed: int = 0) -> list[Job]:
+    rng = random.Random(seed)
+    jobs_by_doc = []
+    for d in range(docs):
+        # ~1.1 tokens per word of this vocabulary (SmolLM2's tokenizer)
+        words = [rng.choice(WORDS) for _ in range(int(doc_tokens / 1.1))]
+        text = f"Document {d}. " + " ".join(
+            " ".join(words[i:i + 12]).capitalize() + "." for i in range(0, len(words), 12))
+        system = f"Answer questions about this document.\n\n{text}"
+        jobs_by_doc.append([Job(system, [f"Question {q}: what does the document say about "
+                                         f"the {rng.choice(WORDS)}?"], f"doc{d}")
+                            for q in range(questions)])
+    jobs = [job for group in zip(*jobs_by_doc) for job in group]  # round-robin over documents
+    for c in range(chats):
+        chat = Job(None, [f"Conversation {c}, turn {t}: tell me about a {rng.choice(WORDS)} "
+                          f"and a {rng.choice(WORDS)}." for t in range(turns)], f"chat{c}")
+        jobs.insert(min(c * 2, len(jobs)), chat)
+    return jobs
+
+
+def build_decode_jobs(num: int) -> list[Job]:
+    return [Job(None, [f"Write a long story about a {WORDS[i % len(WORDS)]} (story {i})."],
+                f"decode{i}") for i in range(num)]
+
+
+def _messages(job: Job, history: list[dict], question: str) -> list[dict]:
+    system = [{"role": "system", "content": job.system}] if job.system else []
+    return system + history + [{"role": "user", "content": question}]
+
+
+async def run_clients(url: str, model: str, jobs: list[Job], clients: int,
+                      max_tokens: int) -> Phase:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    phase = Phase("")
+    touched: set[str] = set()
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            job = queue.get_nowait()
+            history: list[dict] = []
+            for question in job.questions:
+                messages = _messages(job, history, question)
+                is_first = job.prefix not in touched
+                touched.add(job.prefix)
+                sample, answer = await _one(http, url, model, messages, max_tokens)
+                sample.is_first = is_first
+                phase.samples.append(sample)
+                history += [messages[-1], {"role": "assistant", "content": answer}]
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0),
+                                 limits=httpx.Limits(max_connections=clients * 2)) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    phase.seconds = time.perf_counter() - start
+    return phase
+
+
+async def _one(http, url: str, model: str, messages: list[dict],
+               max_tokens: int) -> tuple[Sample, str]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    times, text, usage = [], [], None
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            for c in event["choices"]:
+                if c["delta"].get("content"):
+                    times.append(time.perf_counter())
+                    text.append(c["delta"]["content"])
+    if usage is None or not times:
+        raise RuntimeError("a response without usage or content")
+    n = usage["completion_tokens"]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return Sample(ttft=times[0] - sent,
+                  tpot=(times[-1] - times[0]) / (n - 1) if n > 1 else None, gaps=gaps,
+                  prompt_tokens=usage["prompt_tokens"], completion_tokens=n,
+                  cached_tokens=usage["prompt_tokens_details"]["cached_tokens"]), "".join(text)
+
+
+def run_library(model: str, jobs: list[Job], clients: int, max_tokens: int,
+                engine_kwargs: dict) -> Phase:
+    """The same jobs through `LLM.submit` + `stream()` from `clients` threads."""
+    from shoal import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    phase = Phase("library")
+    lock = threading.Lock()
+    pending = list(reversed(jobs))
+    touched: set[str] = set()
+    with LLM(model, **engine_kwargs) as llm:
+        llm.tokenizer.is_available  # noqa: B018 -- loaded here, not by 8 threads at once
+
+        def client() -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    job = pending.pop()
+                history: list[dict] = []
+                for question in job.questions:
+                    messages = _messages(job, history, question)
+                    with lock:
+                        ids = llm.tokenizer.apply_chat_template(messages)
+                        is_first = job.prefix not in touched
+                        touched.add(job.prefix)
+                    sent = time.perf_counter()
+                    h = llm.submit(ids, sp)
+                    times = []
+                    for _ in h.stream():
+                        times.append(time.perf_counter())
+                    out = h.result()
+                    n = len(out.token_ids)
+                    sample = Sample(times[0] - sent, (times[-1] - times[0]) / (n - 1) if n > 1
+                                    else None, [b - a for a, b in zip(times, times[1:])],
+                                    len(ids), n, out.num_local_prefix_tokens
+                                    + out.num_connector_tokens, is_first)
+                    with lock:
+                        phase.samples.append(sample)
+                    history += [messages[-1], {"role": "assistant",
+                                               "content": llm.tokenizer.decode(out.token_ids)}]
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        phase.seconds = time.perf_counter() - start
+    return phase
+
+
+class ServerProcess:
+    """`python -m shoal serve` on a free port, ready once /health answers."""
+
+    def __init__(self, model: str, args: list[str]):
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "shoal", "serve", "--model", model,
+                                      "--port", str(port), *args])
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"shoal serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("shoal serve did not become ready")
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(120)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    i = min(int(round(q / 100 * (len(values) - 1))), len(values) - 1)
+    return values[i]
+
+
+def summarize(phase: Phase) -> dict:
+    s = phase.samples
+    ttft = [x.ttft for x in s]
+    tpot = [x.tpot for x in s if x.tpot is not None]
+    itl = [g for x in s for g in x.gaps]
+    prompt = sum(x.prompt_tokens for x in s)
+    out = sum(x.completion_tokens for x in s)
+    return {"requests": len(s), "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+            "ttft_first_p50": _pct([x.ttft for x in s if x.is_first], 50),
+            "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
+            "itl_p50": _pct(itl, 50), "itl_p99": _pct(itl, 99),
+            "req_per_s": len(s) / phase.seconds, "out_tok_per_s": out / phase.seconds,
+            "total_tok_per_s": (prompt + out) / phase.seconds,
+            "cached_share": sum(x.cached_tokens for x in s) / prompt if prompt else 0.0}
+
+
+def print_table(rows: list[tuple[str, dict]]) -> None:
+    cols = ("requests", "ttft_p50", "ttft_p99", "ttft_first_p50", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99",
+            "req_per_s", "out_tok_per_s", "total_tok_per_s", "cached_share")
+    print(f"{'phase':<18}" + "".join(f"{c:>16}" for c in cols))
+    for name, r in rows:
+        print(f"{name:<18}" + "".join(
+            f"{r[c]:>16d}" if isinstance(r[c], int) else f"{r[c]:>16.3f}" for c in cols))
+
+
+def run_serve_bench(args) -> int:
+    jobs = build_workload(args.docs, args.doc_tokens, args.questions, args.chats, args.turns)
+    decode_jobs = build_decode_jobs(2 * args.clients)
+    decode_tokens = 4 * args.max_tokens
+
+    def load(url: str, work: list[Job], max_tokens: int) -> Phase:
+        return asyncio.run(run_clients(url, args.served_model_name, work, args.clients,
+                                       max_tokens))
+
+    if args.url:  # one run against a server someone else started
+        result = summarize(load(args.url.rstrip("/"), jobs, args.max_tokens))
+        print_table([("url", result)])
+        print(json.dumps({"bench": "serve", "url": args.url, **result}))
+        return 0
+    engine = ["--num-kv-blocks", str(args.num_kv_blocks), "--dp", str(args.dp),
+              "--device", args.device, "--served-model-name", args.served_model_name]
+    rows = []
+    pool = tempfile.mkdtemp(prefix="shoal-bench-serve-")
+    try:
+        for name, extra in (("pool off", []), ("pool on", ["--kv-pool", pool]),
+                            ("warm restart", ["--kv-pool", pool])):
+            server = ServerProcess(args.model, engine + extra)
+            try:
+                phase = load(server.url, jobs, args.max_tokens)
+                rows.append((name, summarize(phase)))
+                if name == "pool off":
+                    rows.append(("decode (server)",
+                                 summarize(load(server.url, decode_jobs, decode_tokens))))
+            finally:
+                code = server.stop()
+            if code != 0:
+                raise RuntimeError(f"shoal serve exited with {code} on SIGTERM")
+            print(f"{name}: {len(phase.samples)} requests in {phase.seconds:.1f} s",
+                  file=sys.stderr)
+        kwargs = dict(num_kv_blocks=args.num_kv_blocks, dp_size=args.dp, device=args.device)
+        rows.append(("library", summarize(
+            run_library(args.model, jobs, args.clients, args.max_tokens, kwargs))))
+        rows.append(("decode (library)", summarize(
+            run_library(args.model, decode_jobs, args.clients, decode_tokens, kwargs))))
+    finally:
+        import shutil
+        shutil.rmtree(pool, ignore_errors=True)
+    print_table(rows)
+    by = dict(rows)
+    off, warm = by["pool off"], by["warm restart"]
+    print(json.dumps({
+        "bench": "serve", "clients": args.clients, "requests": off["requests"],
+        "ttft_p50_warm_over_off": warm["ttft_p50"] / off["ttft_p50"],
+        "ttft_p50_on_over_off": by["pool on"]["ttft_p50"] / off["ttft_p50"],
+        "ttft_first_p50_warm_over_off": warm["ttft_first_p50"] / off["ttft_first_p50"],
+        "tpot_p50_server_over_library":
+            by["decode (server)"]["tpot_p50"] / by["decode (library)"]["tpot_p50"],
+        "cached_share_off": off["cached_share"], "cached_share_warm": warm["cached_share"],
+        "target_ttft_ratio": 0.1, "target_tpot_ratio": 1.05}))
+    return 0

@@ -1,0 +1,113 @@
+"""The worker side of transfers, on the thread that runs the forward.
+
+Around each step's forward: the plan is bound and loads start; after it, saves are
+enqueued and the transfers pending when the step was launched are polled. A transfer is
+done only where every rank's worker is done, failed from the first block any rank failed,
+and expired where any rank's deadline passed (`Agreement.agree_min`; one rank: its own
+word). An expired transfer is aborted if the worker supports abort, else fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shoal.engine.connector_calls import ConnectorCalls
+
+if TYPE_CHECKING:
+    from shoal.engine.transfers import TransferPlan
+
+log = logging.getLogger(__name__)
+
+NO_FAILURE = 1 << 62  # "no failed block" in an agreed minimum
+
+
+@dataclass
+class TransferReport:
+    """What the workers said at the end of a step (agreed over TP ranks)."""
+
+    finished_saving: set[str] = field(default_factory=set)
+    finished_loading: set[str] = field(default_factory=set)
+    failed_loads: dict[str, int] = field(default_factory=dict)  # rid -> first bad block index
+    aborted: set[str] = field(default_factory=set)  # transfers aborted at their deadline
+
+
+class TransferPoller:
+    def __init__(self, calls: ConnectorCalls):
+        self.calls = calls
+        self._aborted: set[str] = set()  # aborted; a plan launched before may still list them
+        self._saved: dict[str, int] = {}  # rid -> save episode this rank's worker finished
+        self._loaded: set[str] = set()  # loads this rank's worker finished
+        self._failed: dict[str, int] = {}  # ... of which failed, from this block index on
+        self.num_deadline_expiries = 0
+        self.num_aborted = 0
+
+    def begin_step(self, plan: TransferPlan) -> None:
+        self.calls.work("bind_connector_meta", lambda w: w.bind_connector_meta(plan.meta))
+        self.calls.work("start_load_kv", lambda w: w.start_load_kv())
+
+    def end_step(self, plan: TransferPlan) -> TransferReport:
+        """After the forward: saves enqueued, then a poll over the transfers pending when the
+        step was launched. Expired ones are aborted or fatal."""
+        self.calls.work("wait_for_save", lambda w: w.wait_for_save())
+        self.calls.work("clear_connector_meta", lambda w: w.clear_connector_meta())
+        report, expired = self._poll(plan)
+        # the overlap loop launches a step before the last one's report is applied: a
+        # transfer aborted there may still be listed as pending once
+        self._aborted.intersection_update((*plan.save_epochs, *plan.loading_ids))
+        expired = [rid for rid in expired if rid not in self._aborted]
+        if expired:
+            self.num_deadline_expiries += len(expired)
+            what = (f"a pending transfer passed its deadline (transfer_timeout_sec="
+                    f"{self.calls.config.transfer_timeout_sec:g}, control_grace_sec="
+                    f"{self.calls.config.control_grace_sec:g} after a cancel or shutdown)")
+            if not self.calls.worker.supports_abort:
+                self.calls.fail(what, expired[0])
+            else:
+                self.calls.work("abort", lambda w: w.abort(expired))
+                if self.calls.failure is None:
+                    log.warning("%s: aborted %s", what, expired)
+                    self.num_aborted += len(expired)
+                    self._aborted.update(expired)
+                    report.aborted.update(expired)
+        return report
+
+    def _poll(self, plan: TransferPlan) -> tuple[TransferReport, list[str]]:
+        """This rank's poll, agreed with its peers (done where every rank is done, expired
+        where any expired, failed from the first block any rank failed), and the transfers
+        still pending past their deadline."""
+        saves, loads = plan.save_epochs, plan.loading_ids
+        ask_save = [rid for rid, epoch in saves.items() if self._saved.get(rid) != epoch]
+        ask_load = [rid for rid in loads if rid not in self._loaded]
+        saved, loaded = self.calls.work("get_finished", lambda w: w.get_finished(ask_save, ask_load),
+                                   ((), ()))
+        self._saved.update((rid, saves[rid]) for rid in saved if rid in saves)
+        self._loaded.update(rid for rid in loaded if rid in loads)
+        self._failed.update(self.calls.work("get_failed_loads", lambda w: w.get_failed_loads(), {}) or {})
+        pending, now = [*saves, *loads], time.monotonic()
+        flags = ([int(self._saved.get(rid) == epoch) for rid, epoch in saves.items()]
+                 + [int(rid in self._loaded) for rid in loads]
+                 + [self._failed.get(rid, NO_FAILURE) for rid in loads]
+                 + [int(plan.deadlines.get(rid, math.inf) >= now) for rid in pending])
+        if not flags:  # the same on every rank: nothing pending, nothing to agree on
+            return TransferReport(), []
+        agreed = self.calls.agreement.agree_min(flags)
+        n, m = len(saves), len(loads)
+        report = TransferReport()
+        for rid, done in zip(saves, agreed):
+            if done:
+                report.finished_saving.add(rid)
+                del self._saved[rid]
+        for i, rid in enumerate(loads):
+            if agreed[n + i]:
+                report.finished_loading.add(rid)
+                self._loaded.discard(rid)
+                self._failed.pop(rid, None)
+                if agreed[n + m + i] != NO_FAILURE:
+                    report.failed_loads[rid] = agreed[n + m + i]
+        expired = [rid for rid, ok in zip(pending, agreed[n + 2 * m:]) if not ok
+                   and rid not in report.finished_saving and rid not in report.finished_loading]
+        return report, list(dict.fromkeys(expired))

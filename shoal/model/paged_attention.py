@@ -1,0 +1,218 @@
+"""Paged attention in Triton: kernels that read the block table instead of copying blocks.
+
+The KV cache is block-major (`shoal.kv.kv_cache`): layer i's keys are a strided view
+`k_cache[block, slot, kv_head, dim]`. Both kernels walk a request's blocks through its
+row of the block table, keep a running (max, sum, accumulator) softmax in float32, and
+never materialise the gathered context. GQA: query head h reads KV head h // G.
+
+    decode   one query per request (its newest token), all of its context
+             grid (requests, kv_heads): the G query heads of one KV head together, so each
+             key/value tile is read once for all of them
+    prefill  a chunk of n new tokens per request at positions [ctx - n, ctx), causal over
+             [0, ctx): chunked prefill and prefix hits alike (the chunk's own K/V are in
+             the cache already); grid (requests, query tiles, query heads)
+
+The gather + SDPA path in `shoal.model.llama.Attention` is the reference these are tested
+against (tests/test_paged_attention.py; on CPU through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheel of torch comes without Triton: the reference path runs
+    triton = None
+
+HAS_TRITON = triton is not None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _precision(q: torch.Tensor) -> str:
+    """float32 models stay float32 in the dot products (tf32 would not match the reference)."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _attend_tile(q, k_ptr, v_ptr, table_row_ptr, pos, valid, seen, d, stride_kb, stride_kt,
+                     stride_vb, stride_vt, scale, m, total, acc, D: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+        """One tile of keys at positions `pos` (`valid` ones exist; `seen` [rows, tile] says
+        which query sees which): their K/V read through the block table, folded into the
+        running (max m, sum total, accumulator acc) of the online softmax."""
+        block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :],
+                    mask=kv_mask, other=0.0)  # [tile, DP]
+        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        s = tl.where(seen, s, float("-inf"))  # [rows, tile]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=PRECISION).to(tl.float32)
+        return m_new, total, acc
+
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr,
+                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+                       stride_vb, stride_vt, stride_vh, stride_ob, stride_oh, stride_table,
+                       scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        ctx = tl.load(lens_ptr + b)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        heads = kvh * G + g
+        q_mask = (g[:, None] < G) & (d[None, :] < D)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=q_mask, other=0.0)  # [GP, DP]
+        m = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        t = tl.arange(0, TILE)
+        start = 0
+        while start < ctx:  # (a while loop: Triton's interpreter takes no loaded range bound)
+            pos = start + t
+            valid = pos < ctx
+            m, total, acc = _attend_tile(
+                q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table_ptr + b * stride_table,
+                pos, valid, valid[None, :], d, stride_kb, stride_kt, stride_vb, stride_vt, scale,
+                m, total, acc, D, BLOCK_SIZE, PRECISION)
+            start += TILE
+        # a padding row (ctx 0) attends to nothing: 0, not 0/0
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, starts_ptr, lens_ptr, ctx_ptr,
+                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,
+                        scale, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
+        s_idx = tl.program_id(0)
+        tile = tl.program_id(1)
+        h = tl.program_id(2)
+        n = tl.load(lens_ptr + s_idx)
+        if tile * BLOCK_M < n:
+            ctx = tl.load(ctx_ptr + s_idx)
+            row0 = tl.load(starts_ptr + s_idx)
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            d = tl.arange(0, DP)
+            q_mask = (rows[:, None] < n) & (d[None, :] < D)
+            q = tl.load(q_ptr + (row0 + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                        mask=q_mask, other=0.0)  # [BLOCK_M, DP]
+            q_pos = ctx - n + rows  # each query's position; it sees keys at <= q_pos
+            kvh = h // G
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, DP], tl.float32)
+            hi = tl.minimum(ctx, ctx - n + (tile + 1) * BLOCK_M)  # no later row sees more
+            kt = tl.arange(0, BLOCK_N)
+            start = 0
+            while start < hi:
+                pos = start + kt
+                valid = pos < hi
+                seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
+                m, total, acc = _attend_tile(
+                    q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+                    table_ptr + s_idx * stride_table, pos, valid, seen, d, stride_kb, stride_kt,
+                    stride_vb, stride_vt, scale, m, total, acc, D, BLOCK_SIZE, PRECISION)
+                start += BLOCK_N
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(o_ptr + (row0 + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, blocks_ptr, offsets_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct,
+                         stride_ch, stride_vcb, stride_vct, stride_vch,
+                         H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
+        t = tl.program_id(0)
+        block = tl.load(blocks_ptr + t)
+        slot = tl.load(offsets_ptr + t)
+        h = tl.arange(0, HP)
+        d = tl.arange(0, DP)
+        mask = (h[:, None] < H) & (d[None, :] < D)
+        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        tl.store(kc_ptr + block * stride_cb + slot * stride_ct + h[:, None] * stride_ch
+                 + d[None, :], k, mask=mask)
+        tl.store(vc_ptr + block * stride_vcb + slot * stride_vct + h[:, None] * stride_vch
+                 + d[None, :], v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] into their slots (slot_blocks[t], slot_offsets[t]) of the paged cache:
+    one program per token, no host work (the indexed assignment it replaces may not be
+    capturable in a CUDA graph)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_blocks, slot_offsets, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), H=num_kv_heads, D=head_dim,
+        HP=_next_pow2(num_kv_heads), DP=_next_pow2(head_dim))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, context_lens: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; k/v_cache [num_blocks, block_size, Hkv, D] (strided views are fine);
+    block_table [B, max_blocks] int32/int64; context_lens [B] (0: a padding row, output 0).
+    Returns out [B, Hq, D]. Every tensor is read in place: this can run inside a CUDA graph."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    tile = max(block_size, 32)
+    _decode_kernel[(batch, num_kv_heads)](
+        q, k_cache, v_cache, out, block_table, context_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_table.stride(0), head_dim ** -0.5, G=group, GP=max(16, _next_pow2(group)),
+        D=head_dim, DP=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size, TILE=tile,
+        PRECISION=_precision(q))
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                  context_lens: torch.Tensor, max_q_len: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], the flat batch; request s owns rows [q_starts[s], q_starts[s] + q_lens[s])
+    at positions [context_lens[s] - q_lens[s], context_lens[s]) and attends causally to its
+    context through block_table[s]. Rows no request owns are left as they are in `out`."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    block_m = 64 if max_q_len > 32 else 16
+    grid = (q_lens.shape[0], triton.cdiv(max_q_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_table, q_starts, q_lens, context_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_table.stride(0), head_dim ** -0.5, G=num_heads // num_kv_heads, D=head_dim,
+        DP=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
+        PRECISION=_precision(q))
+    return out

@@ -1,0 +1,376 @@
+"""`shoal serve`: an OpenAI-compatible HTTP server over one `LLM` (FastAPI + uvicorn).
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET /health                 GET /version           GET /metrics
+
+The engine runs on the LLM's driver thread. A request is tokenized, checked and submitted
+on a worker thread (submit waits for the driver between two steps); its tokens come back
+to the event loop through the handle's callback (`generation.py`), so the loop never
+waits for the engine. Errors use OpenAI's body; bad input is a 400 naming the field.
+SIGTERM/SIGINT: stop accepting, let running requests finish within the grace (then cancel
+them), `llm.shutdown()`, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import uvicorn
+
+import shoal
+from shoal.llm import LLM
+from shoal.sampling import SamplingParams
+from shoal.serving.detokenizer import TextStream
+from shoal.serving.generation import Choice, EngineStopped, Generation, TokenInbox
+from shoal.serving.metrics import ServerMetrics
+from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                           bad_request, for_prompt, validation_error)
+from shoal.serving.responses import ChatFormat, CompletionFormat, ResponseFormat
+
+log = logging.getLogger(__name__)
+
+SUBMIT_THREADS = 64  # requests being tokenized and added at once
+
+
+class OpenAIServer:
+    """The endpoints' logic over one LLM (which it does not own: the caller shuts it down)."""
+
+    def __init__(self, llm: LLM, served_model_name: str):
+        self.llm = llm
+        self.model_name = served_model_name
+        info = llm.engine.info
+        # what a request may grow to (the scheduler's limit: context, or the whole cache)
+        self.max_request_len = min(info.max_model_len, info.num_kv_blocks * llm.config.block_size)
+        self.max_model_len = info.max_model_len
+        self.metrics = ServerMetrics(served_model_name)
+        self.created = int(time.time())
+        self._submitter = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="shoal-submit")
+        self._tokenizer_lock = threading.Lock()  # HF tokenizers are not reentrant-safe
+        llm.tokenizer.is_available  # noqa: B018 -- loaded now, not by concurrent requests
+        self.is_stopping = False
+        self._inbox: TokenInbox | None = None  # made on the loop's first request
+
+    @property
+    def engine_error(self) -> BaseException | None:
+        """Why the engine stopped for good (the driver's record; LLM has no public one)."""
+        return self.llm._driver.error
+
+    def close(self) -> None:
+        self._submitter.shutdown(wait=False, cancel_futures=True)
+
+    # -- endpoints -----------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        sampling = body.sampling()
+        conversation = body.conversation()
+        rid, gen = await self._start([conversation], sampling, body, "chatcmpl")
+        fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs)
+        return await self._respond(gen, fmt, body.stream, body.include_usage, request)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        sampling = body.sampling()
+        rid, gen = await self._start(body.prompts(), sampling, body, "cmpl")
+        fmt = CompletionFormat(self.model_name, self.llm.tokenizer, rid,
+                               body.logprobs is not None)
+        return await self._respond(gen, fmt, body.stream, body.include_usage, request)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "shoal", "root": self.llm.config.model,
+            "max_model_len": self.max_model_len}]}
+
+    def health(self) -> Response:
+        error = self.engine_error
+        if error is not None:
+            return _error_response(_engine_stopped(error))
+        if self.is_stopping:
+            return _error_response(ApiError(503, "the server is shutting down",
+                                            type_="service_unavailable"))
+        return JSONResponse({"status": "ok"})
+
+    async def render_metrics(self) -> Response:
+        loop = asyncio.get_running_loop()
+        try:
+            stats = await loop.run_in_executor(self._submitter, self.llm.stats)
+        except Exception as e:  # the engine is gone: the server's own metrics still count
+            log.debug("stats: %s", e)
+            stats = None
+        return Response(self.metrics.render(stats),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist (this server serves "
+                           f"`{self.model_name}`)", "model", code="model_not_found")
+        if self.engine_error is not None:
+            raise _engine_stopped(self.engine_error)
+        if self.is_stopping:
+            raise ApiError(503, "the server is shutting down", type_="service_unavailable")
+
+    async def _start(self, prompts: list, sampling: SamplingParams, body,
+                     kind: str) -> tuple[str, Generation]:
+        """Tokenize, check and submit every choice on a worker thread; the choices' tokens
+        reach `queue` on this loop. If this task is cancelled meanwhile, whatever was
+        submitted is cancelled once the worker returns."""
+        loop = asyncio.get_running_loop()
+        if self._inbox is None:
+            self._inbox = TokenInbox(loop)
+        queue: asyncio.Queue = asyncio.Queue()
+        arrival = time.perf_counter()
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        stop = body.stop_strings()
+        has_limit = (getattr(body, "max_completion_tokens", None) is not None
+                     or body.max_tokens is not None)
+        future = loop.run_in_executor(
+            self._submitter, self._submit_all, queue, rid, prompts, sampling, has_limit,
+            body.n, stop, body.cache_salt, arrival)
+        try:
+            choices = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_cancel_submitted)
+            raise
+        return rid, Generation(choices, queue, self.metrics)
+
+    def _submit_all(self, queue, rid, prompts, sampling, has_limit, n, stop,
+                    cache_salt, arrival) -> list[Choice]:
+        """(worker thread) Every prompt checked before any is submitted; all or nothing."""
+        prompt_ids = [self._prompt_ids(p) for p in prompts]
+        choices: list[Choice] = []
+        try:
+            for p, ids in enumerate(prompt_ids):
+                for j in range(n):
+                    index = p * n + j
+                    sp = for_prompt(sampling, len(ids), self.max_request_len, has_limit, j)
+                    handle = self.llm.submit(ids, sp, request_id=f"{rid}-{index}",
+                                             cache_salt=cache_salt)
+                    choices.append(Choice(index, p, ids, handle,
+                                          TextStream(self.llm.tokenizer, ids, stop), arrival))
+                    handle.subscribe(self._inbox.callback(queue, index))
+        except BaseException as e:
+            for c in choices:
+                c.cancel()
+            if isinstance(e, (TypeError, ValueError)):
+                raise bad_request(str(e), "cache_salt" if "cache_salt" in str(e) else "prompt")
+            if isinstance(e, RuntimeError) and not isinstance(e, ApiError):
+                raise EngineStopped(str(e)) from e
+            raise
+        return choices
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a prompt: text, token ids, or a conversation (chat template)."""
+        param = "messages" if isinstance(prompt, list) and prompt and isinstance(
+            prompt[0], dict) else "prompt"
+        try:
+            with self._tokenizer_lock:
+                if param == "messages":
+                    ids = self.llm.tokenizer.apply_chat_template(prompt)
+                elif isinstance(prompt, str):
+                    ids = self.llm.tokenizer.encode(prompt)
+                else:
+                    ids = list(prompt)
+        except (TypeError, ValueError) as e:
+            raise bad_request(str(e), param) from e
+        except Exception as e:  # a chat template may raise its own errors (e.g. roles)
+            raise bad_request(f"{param}: {type(e).__name__}: {e}", param) from e
+        if not ids:
+            raise bad_request(f"{param} is empty once tokenized", param)
+        if len(ids) > self.max_request_len:
+            raise bad_request(
+                f"{param} has {len(ids)} tokens, more than this server's limit of "
+                f"{self.max_request_len} (the context, or what the KV cache holds)", param)
+        return ids
+
+    async def _respond(self, gen: Generation, fmt: ResponseFormat, stream: bool, include_usage: bool,
+                       request: Request) -> Response:
+        if stream:
+            return StreamingResponse(self._sse(gen, fmt, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        task = asyncio.ensure_future(self._collect(gen, fmt))
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():  # the client went away (or this task was cancelled)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            watch.cancel()
+        if task.cancelled():
+            return Response(status_code=499)
+        return JSONResponse(task.result())  # raises the ApiError / EngineStopped
+
+    async def _collect(self, gen: Generation, fmt: ResponseFormat) -> dict:
+        texts = {c.index: [] for c in gen.choices}
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                texts[d.choice.index].append(d.text)
+        return fmt.response([(c, "".join(texts[c.index])) for c in gen.choices], gen.usage())
+
+    async def _sse(self, gen: Generation, fmt: ResponseFormat, include_usage: bool):
+        try:
+            for c in gen.choices:
+                first = fmt.first_chunk(c)
+                if first is not None:
+                    yield _sse(first)
+            async with contextlib.aclosing(gen.deltas()) as deltas:
+                async for d in deltas:
+                    yield _sse(fmt.chunk(d))
+            if include_usage:
+                yield _sse(fmt.usage_chunk(gen.usage()))
+        except ApiError as e:
+            yield _sse(e.body())
+        except EngineStopped as e:
+            yield _sse(_engine_stopped(e).body())
+        except Exception as e:  # never a half-open stream without a word
+            log.exception("stream failed")
+            yield _sse(ApiError(500, f"{type(e).__name__}: {e}", type_="server_error").body())
+        yield "data: [DONE]\n\n"
+
+
+def _cancel_submitted(future) -> None:
+    """A submit whose HTTP request was abandoned meanwhile: cancel what it started."""
+    if not future.cancelled() and future.exception() is None:
+        for choice in future.result():
+            choice.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _engine_stopped(error: BaseException) -> ApiError:
+    return ApiError(503, f"the engine has stopped: {error}", type_="service_unavailable",
+                    code="engine_stopped")
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+# -- the app and the process ---------------------------------------------------------------
+
+
+def build_app(server: OpenAIServer) -> FastAPI:
+    app = FastAPI(title="shoal", version=shoal.__version__, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return _error_response(e)
+
+    @app.exception_handler(EngineStopped)
+    async def engine_stopped(request: Request, e: EngineStopped):
+        return _error_response(_engine_stopped(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError):
+        return _error_response(validation_error(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(e.status_code, str(e.detail), type_=kind))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        return server.health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": shoal.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return await server.render_metrics()
+
+    if os.environ.get("SHOAL_SERVE_DEBUG") == "1":  # for tests: never on by default
+        @app.get("/debug/integrity")
+        async def integrity():
+            """Block accounting on every rank (Scheduler.check_integrity)."""
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(server._submitter, server.llm.check_integrity)
+            except AssertionError as e:
+                return _error_response(ApiError(500, str(e), type_="server_error"))
+            return {"ok": True}
+
+    return app
+
+
+def serve(llm: LLM, host: str, port: int, served_model_name: str,
+          shutdown_grace_sec: float, access_log: bool = False) -> None:
+    """Serve until SIGTERM/SIGINT; then stop accepting, give running requests
+    `shutdown_grace_sec` to finish (cancel the rest) and return. The caller shuts the LLM
+    down."""
+    server = OpenAIServer(llm, served_model_name)
+    config = uvicorn.Config(build_app(server), host=host, port=port, lifespan="off",
+                            log_level="info" if access_log else "warning",
+                            access_log=access_log, timeout_graceful_shutdown=shutdown_grace_sec)
+    try:
+        _Server(config, server).run()
+    finally:
+        server.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server whose SIGTERM/SIGINT end in a normal return (uvicorn re-raises
+    the signal after its graceful shutdown, which would end the process by that signal
+    before the engine is shut down, and with its exit status)."""
+
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer):
+        super().__init__(config)
+        self._openai = server
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        def on_signal(sig, frame):
+            self._openai.is_stopping = True  # /health says so; new requests get 503
+            self.handle_exit(sig, frame)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

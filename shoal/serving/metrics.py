@@ -1,0 +1,120 @@
+"""`/metrics`: Prometheus text under `shoal:`, named like vLLM's `vllm:` metrics.
+
+Two sources. The server observes each request (latency histograms, successes by finish
+reason) as it runs. The engine's counters and gauges come from `llm.stats()` at scrape
+time, one sample per owner (`owner` label: an ADP rank; rank 0 alone otherwise).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no `*_created` series (vLLM has none either)
+
+# vLLM's buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# engine counters: (shoal name without _total, stats key, help)
+ENGINE_COUNTERS = (
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests"),
+    ("generation_tokens", "generated_tokens", "Generated tokens of finished requests"),
+    ("prefix_cache_queries", "prompt_tokens", "Prompt tokens looked up in the local prefix cache"),
+    ("prefix_cache_hits", "local_prefix_hit_tokens", "Prompt tokens served by the local prefix cache"),
+    ("pool_lookups", "pool_lookups", "Requests looked up in the KV pool"),
+    ("pool_hit_blocks", "pool_hit_blocks", "Blocks the KV pool had"),
+    ("pool_miss_blocks", "pool_miss_blocks", "Blocks the KV pool lacked"),
+    ("pool_tokens_loaded", "connector_tokens_loaded", "Prompt tokens loaded from the KV pool"),
+    ("pool_bytes_loaded", "bytes_loaded", "Bytes loaded from the KV pool"),
+    ("pool_bytes_saved", "bytes_saved", "Bytes saved to the KV pool"),
+    ("pool_corrupt_blocks", "corrupt_blocks", "Corrupt pool blocks found (recomputed)"),
+    ("pool_load_failures_recomputed", "load_failures_recomputed", "Failed loads recomputed"),
+    ("deadline_expiries", "deadline_expiries", "KV transfers past their deadline"),
+    ("num_preemptions", "preemptions", "Requests preempted (recomputed later)"),
+    ("num_cancellations", "cancellations", "Requests cancelled (client gone, stop string, shutdown)"),
+    ("iterations", "iterations", "Engine steps"),
+)
+
+
+class ServerMetrics:
+    """The registry behind /metrics."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.request_success = Counter(
+            "shoal:request_success", "Finished requests by finish reason",
+            labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("shoal:time_to_first_token_seconds",
+                              "Time to first token (from arrival at the server)", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("shoal:inter_token_latency_seconds", "Time between output tokens",
+                             labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("shoal:e2e_request_latency_seconds",
+                             "End-to-end request latency (arrival to last token)", labels,
+                             buckets=E2E_BUCKETS, registry=self.registry)
+        self._stats: dict | None = None
+        self.registry.register(_EngineCollector(self))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def observe_inter_token(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` arrived together `seconds` after the previous ones: each counts as
+        seconds / num_tokens apart."""
+        h = self.itl.labels(self.model_name)
+        for _ in range(num_tokens):
+            h.observe(seconds / num_tokens)
+
+    def observe_finished(self, finish_reason: str, e2e_seconds: float) -> None:
+        self.request_success.labels(self.model_name, finish_reason).inc()
+        self.e2e.labels(self.model_name).observe(e2e_seconds)
+
+    def render(self, stats: dict) -> bytes:
+        """The text exposition with `stats` (an `llm.stats()`) as the engine's part."""
+        self._stats = stats
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._stats = None
+
+
+class _EngineCollector:
+    """The engine's counters and gauges from the stats of the scrape, per owner."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        stats = self._metrics._stats
+        if stats is None:
+            return
+        name = self._metrics.model_name
+        per_rank = stats.get("per_rank") or [stats]
+        labels = ["model_name", "owner"]
+
+        def gauge(metric: str, doc: str, value_of) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"shoal:{metric}", doc, labels=labels)
+            for owner, s in enumerate(per_rank):
+                g.add_metric([name, str(owner)], value_of(s))
+            return g
+
+        yield gauge("num_requests_running", "Requests computing in the engine",
+                    lambda s: s.get("num_requests_running", 0))
+        yield gauge("num_requests_waiting", "Requests queued (new, preempted or loading KV)",
+                    lambda s: s.get("num_requests_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "Share of KV blocks held by requests (1 = full)",
+                    lambda s: s["kv_blocks_used"] / s["num_kv_blocks"]
+                    if s.get("num_kv_blocks") else 0.0)
+        for metric, key, doc in ENGINE_COUNTERS:
+            c = CounterMetricFamily(f"shoal:{metric}", doc, labels=labels)
+            for owner, s in enumerate(per_rank):
+                c.add_metric([name, str(owner)], s.get(key, 0))
+            yield c

@@ -1,0 +1,226 @@
+"""The OpenAI wire format: request bodies (validated), their `SamplingParams`, error bodies.
+
+Requests are pydantic models that ignore unknown fields, as OpenAI does. A value pydantic
+cannot read, or one `SamplingParams` refuses, becomes a 400 `ApiError` naming the field
+(`param`); the server never answers 422 or 500 for bad input.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from pydantic import BaseModel, ConfigDict, StrictInt
+
+from shoal.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128  # choices per request
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _GenerationBody(_Body):
+    """Fields shared by both endpoints (OpenAI's and the extensions after `# shoal`)."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default: sampling; 0 is greedy
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # shoal (vLLM's names)
+    top_k: int = 0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    cache_salt: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+                              "stop")
+        if any(not s for s in stop):
+            raise bad_request("stop strings must not be empty", "stop")
+        return stop
+
+    def _sampling(self, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
+        """The choices' sampling (choice i of a seeded request gets seed + i); 400 naming
+        the field that SamplingParams refuses. max_tokens None: set per prompt later."""
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be an integer in [1, {MAX_N}], got {self.n}", "n")
+        try:
+            return SamplingParams(
+                # without a limit: a stand-in until the prompt's length is known
+                max_tokens=max_tokens if max_tokens is not None else max(self.min_tokens, 1),
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos, logprobs=num_logprobs, min_tokens=self.min_tokens)
+        except (TypeError, ValueError) as e:
+            raise bad_request(str(e), _field_of(str(e))) from e
+
+
+class ChatCompletionRequest(_GenerationBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (text parts joined)."""
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" or p.text is None for p in content):
+                    raise bad_request("only text content parts are supported",
+                                      f"messages.{i}.content")
+                content = "".join(p.text for p in content)
+            out.append({"role": m.role, "content": content or ""})
+        return out
+
+    def sampling(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
+                              "top_logprobs")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+        param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        _check_max_tokens(limit, param)
+        return self._sampling(limit, top if self.logprobs else None)
+
+
+class CompletionRequest(_GenerationBody):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int | None = 16  # OpenAI's default for this endpoint
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """One or several prompts, each text or token ids."""
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise bad_request("prompt must not be empty", "prompt")
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        return prompts
+
+    def sampling(self) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LEGACY_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LEGACY_LOGPROBS}], got "
+                              f"{self.logprobs}", "logprobs")
+        _check_max_tokens(self.max_tokens, "max_tokens")
+        return self._sampling(self.max_tokens, self.logprobs)
+
+
+def _check_max_tokens(value: int | None, param: str) -> None:
+    if value is not None and value < 1:
+        raise bad_request(f"{param} must be at least 1, got {value}", param)
+
+
+def _field_of(message: str) -> str | None:
+    """The request field a SamplingParams message names ("SamplingParams.top_p must...")."""
+    m = re.search(r"SamplingParams\.(\w+)", message)
+    return m.group(1) if m else None
+
+
+def for_prompt(sampling: SamplingParams, num_prompt_tokens: int, max_request_len: int,
+               has_limit: bool, index: int) -> SamplingParams:
+    """The sampling of choice `index` of one prompt: without a token limit, up to the end
+    of the context; a seeded request's choices draw different numbers (seed + index)."""
+    changes: dict = {}
+    if not has_limit:
+        changes["max_tokens"] = max(max_request_len - num_prompt_tokens, 1)
+        changes["min_tokens"] = min(sampling.min_tokens, changes["max_tokens"])
+    if sampling.seed is not None and index:
+        changes["seed"] = sampling.seed + index
+    try:
+        return replace(sampling, **changes) if changes else sampling
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e), _field_of(str(e))) from e
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """A 400 for what pydantic refused (FastAPI would answer 422): the first error, with
+    its location as the param ("messages.0.role")."""
+    if not errors:
+        return bad_request("invalid request body")
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # a union (prompt: str | list[int] | ...) reports one error per member: name the field
+    loc = [x for x in loc if not re.match(r"^(str|list|int|float|bool)\b", x)]
+    param = ".".join(loc) or None
+    if e.get("type") == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {e.get('msg')}")
+    if e.get("type") == "missing":
+        return bad_request(f"{param} is required", param)
+    return bad_request(f"{param}: {e.get('msg')} (got {e.get('input')!r:.80})", param)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one response."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    local_prefix_tokens: int  # prompt tokens served from a rank's own prefix cache
+    pool_tokens: int  # prompt tokens loaded from the KV pool
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {
+                    "cached_tokens": self.local_prefix_tokens + self.pool_tokens,
+                    # shoal: where the cached tokens came from
+                    "local_prefix_tokens": self.local_prefix_tokens,
+                    "pool_tokens": self.pool_tokens}}

@@ -1,0 +1,172 @@
+"""The Triton paged-attention kernels against a plain reference, on random inputs: ragged
+lengths, GQA, block sizes 16 and 32, chunked prefill. On CPU through Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1 without a GPU); compiled on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pa = pytest.importorskip("shoal.model.paged_attention")
+if not pa.HAS_TRITON:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, layers=2):
+    """A block-major cache like KVCache's, and layer 1's (k, v) views (strided)."""
+    t = torch.randn(num_blocks, layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype,
+                    device=DEVICE)
+    return t[:, 1, 0], t[:, 1, 1]
+
+
+def tables(lengths, block_size, num_blocks, g):
+    """A random, non-overlapping block table row per request, padded with -1 then 0."""
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    rows, width = [], max(-(-n // block_size) for n in lengths)
+    for n in lengths:
+        need = -(-n // block_size)
+        rows.append([perm.pop() for _ in range(need)] + [0] * (width - need))
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+
+def reference(q_rows, k_cache, v_cache, table_row, ctx):
+    """q_rows [n, Hq, D] at positions [ctx - n, ctx), causal over [0, ctx), in float64."""
+    n, hq, d = q_rows.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    blocks = table_row[: -(-ctx // bs)].long()
+    k = k_cache[blocks].reshape(-1, hkv, d)[:ctx].double()
+    v = v_cache[blocks].reshape(-1, hkv, d)[:ctx].double()
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("nhd,khd->hnk", q_rows.double(), k) * d ** -0.5
+    pos = torch.arange(ctx - n, ctx, device=q_rows.device)[:, None]
+    s = s.masked_fill(torch.arange(ctx, device=q_rows.device)[None, :] > pos, float("-inf"))
+    return torch.einsum("hnk,khd->nhd", s.softmax(-1), v)
+
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 1)])
+def test_decode_matches_reference(dtype, block_size, heads):
+    g = torch.Generator().manual_seed(block_size * 10 + heads[0] + heads[1])
+    hq, hkv = heads
+    d = 64 if DEVICE == "cuda" else 32
+    lengths = [1, 5, block_size, block_size + 1, 3 * block_size + 7, 100]
+    k_cache, v_cache = make_cache(64, block_size, hkv, d, dtype)
+    table = tables(lengths, block_size, 64, g)
+    q = torch.randn(len(lengths), hq, d, dtype=dtype, device=DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    pa.paged_decode(q, k_cache, v_cache, table, lens, out=out)
+    for b, n in enumerate(lengths):
+        ref = reference(q[b:b + 1], k_cache, v_cache, table[b], n)[0]
+        err = (out[b].double() - ref).norm() / ref.norm()
+        assert err < TOL[dtype], (b, n, float(err))
+
+
+def test_decode_padding_row_is_zero():
+    k_cache, v_cache = make_cache(8, 16, 2, 32, torch.float32)
+    q = torch.randn(2, 4, 32, device=DEVICE)
+    table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    out = pa.paged_decode(q, k_cache, v_cache, table,
+                          torch.tensor([3, 0], dtype=torch.int32, device=DEVICE))
+    assert torch.isfinite(out).all() and out[1].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 3)])
+def test_prefill_matches_reference(dtype, block_size, heads):
+    """Ragged chunks: a whole prompt, chunks continuing cached context, a one-token chunk."""
+    g = torch.Generator().manual_seed(block_size + 7 * heads[0])
+    hq, hkv = heads
+    d = 64 if DEVICE == "cuda" else 32
+    chunks = [(37, 37), (20, 90), (1, 17), (70, 70), (16, 48)]  # (new tokens, context after)
+    k_cache, v_cache = make_cache(64, block_size, hkv, d, dtype)
+    table = tables([c for _, c in chunks], block_size, 64, g)
+    lens = [n for n, _ in chunks]
+    starts = [sum(lens[:i]) + 3 for i in range(len(lens))]  # rows 0-2 belong to nobody
+    total = starts[-1] + lens[-1] + 2
+    q = torch.randn(total, hq, d, dtype=dtype, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    pa.paged_prefill(q, k_cache, v_cache, table, as_t(starts), as_t(lens),
+                     as_t([c for _, c in chunks]), max(lens), out=out)
+    for s, (n, ctx) in enumerate(chunks):
+        rows = slice(starts[s], starts[s] + n)
+        ref = reference(q[rows], k_cache, v_cache, table[s], ctx)
+        err = (out[rows].double() - ref).norm() / ref.norm()
+        assert err < TOL[dtype], (s, n, ctx, float(err))
+    assert torch.isnan(out[:3]).all()  # rows of no request untouched
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap):
+    """The runner's kernel path (packed inputs, paged kernels: what CUDA runs), forced here
+    on CPU through the interpreter, gives the reference path's tokens: prefill chunks,
+    prefix hits, decodes."""
+    from shoal import LLM, SamplingParams
+    from shoal.engine.cuda_graphs import StepInputs
+    from tests.conftest import random_prompts
+
+    shared = random_prompts(512, [24], seed=5)[0]
+    prompts = [shared + p for p in random_prompts(512, [3, 17, 40], seed=6)] + [[7]]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    kw = dict(block_size=4, num_kv_blocks=128, max_num_tokens=32, overlap_scheduler=overlap)
+    with LLM(tiny_model, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+    with LLM(tiny_model, **kw) as llm:
+        runner = llm.engine.runner
+        runner.is_paged, runner._inputs = True, StepInputs(torch.device("cpu"))
+        outs = llm.generate(prompts, sp)
+        again = llm.generate(prompts[:2], sp)  # local prefix hits: chunks continuing context
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == expected
+    assert [o.token_ids for o in again] == expected[:2]
+    assert again[0].num_local_prefix_tokens > 0
+
+
+def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
+    """What a replayed graph reads (its padded batch: ladder sizes, scratch-block rows with no
+    context, the table placed from a compact copy), run eagerly on CPU through the kernels:
+    the reference path's tokens. The capture itself needs a GPU (tests/test_cuda.py)."""
+    from shoal import LLM, SamplingParams
+    from shoal.engine import cuda_graphs
+    from shoal.engine.cuda_graphs import StepInputs
+    from tests.conftest import random_prompts
+
+    class EagerGraphs(cuda_graphs.DecodeGraphs):
+        def __init__(self, model, kv_cache, max_batch_size, width):
+            self.model, self.kv_cache, self.width = model, kv_cache, width
+            self.block_size = kv_cache.layout.block_size
+            self.max_size, self.num_replays = max_batch_size, 0
+            sizes = [s for s in cuda_graphs.BATCH_LADDER if s < max_batch_size] + [max_batch_size]
+            self.graphs = {s: cuda_graphs._Graph(s, width, torch.device("cpu"),
+                                                 kv_cache.scratch_block) for s in sizes}
+
+        def replay(self, batch, token_ids_of, layer_hooks=None):
+            n = len(batch.chunks)
+            g = self.graphs[next(s for s in sorted(self.graphs) if s >= n)]
+            g.fill(batch.chunks, token_ids_of, self.block_size)
+            self.num_replays += 1
+            return self._forward(g)[:n]
+
+    prompts = random_prompts(512, [3, 17, 9, 30, 1], seed=15)
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 6, 14)]
+    kw = dict(block_size=4, num_kv_blocks=128, max_batch_size=5)
+    with LLM(tiny_model, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+    with LLM(tiny_model, **kw) as llm:
+        runner = llm.engine.runner
+        runner.is_paged, runner._inputs = True, StepInputs(torch.device("cpu"))
+        runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, runner.table_width)
+        outs = llm.generate(prompts, sp)
+        assert runner.graphs.num_replays > 0
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == expected

@@ -1,0 +1,510 @@
+"""`shoal serve` as a real subprocess on 127.0.0.1: the OpenAI client and raw HTTP against
+`LLM.generate`/`LLM.chat` on the real SmolLM2; errors, cancel on disconnect, concurrency,
+restart on a warm pool, SIGTERM, --dp 2."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shoal import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+READY_TIMEOUT = 240.0
+DOC = ("The lighthouse keeper of Marrow Point kept a log of every ship that passed. " * 24)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m shoal serve ...` on a free port; ready once /health answers 200."""
+
+    def __init__(self, model_path: str, *args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "SHOAL_SERVE_DEBUG": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "serve", "--model", model_path, "--port",
+             str(self.port), "--served-model-name", MODEL, *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}: "
+                                     f"{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            self.stop()
+            raise AssertionError("server not ready in time")
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                                    timeout=120)
+
+    def children(self) -> list[int]:
+        """Pids of the server's child processes (rank processes)."""
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == self.proc.pid:
+                    out.append(int(d.name))
+        return out
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return self.proc.returncode
+
+    def post(self, path: str, body, timeout=120.0) -> httpx.Response:
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, timeout=timeout,
+                          headers={"content-type": "application/json"})
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name -> value summed over labels."""
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=60).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+
+def _sse(response) -> list:
+    """The `data:` payloads of an SSE response or of its remaining lines (the JSON objects,
+    then "[DONE]")."""
+    events = []
+    for line in response.iter_lines() if isinstance(response, httpx.Response) else response:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _stream_text(events: list, chat: bool = True) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            part = c["delta"].get("content") if chat else c["text"]
+            texts[c["index"]] = texts.get(c["index"], "") + (part or "")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def pool_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("serve-pool"))
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, pool_dir):
+    s = Server(smollm2_path, "--kv-pool", pool_dir, "--num-kv-blocks", "1024")
+    yield s
+    s.stop()
+
+
+def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["shoal:num_requests_running"] == 0 and m["shoal:kv_cache_usage_perc"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+
+
+# -- text equals the library's -----------------------------------------------------------
+
+
+def test_chat_and_completions_equal_the_library(server, smollm2):
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    ref_chat = smollm2.chat(CHAT, sp)[0]
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                              temperature=0)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref_chat.text
+    assert r.choices[0].finish_reason == ref_chat.finish_reason
+    assert r.usage.prompt_tokens == len(ref_chat.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref_chat.token_ids)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    # max_completion_tokens wins over max_tokens
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                              max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+    ref = smollm2.generate(["Once upon a time"], sp)[0]
+    r = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
+                                         temperature=0)
+    assert r.id.startswith("cmpl-") and r.choices[0].text == ref.text
+    ids = smollm2.tokenizer.encode("Once upon a time")
+    r = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    assert r.choices[0].text == ref.text and r.usage.prompt_tokens == len(ids)
+    assert server.client.models.list().data[0].id == MODEL
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_streaming_equals_non_streaming_with_usage_chunk(server):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 20, "temperature": 0}
+    whole = server.post("/v1/chat/completions", body).json()
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse(r)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"]
+               for e in events[:-1])
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert events[-3]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert _stream_text(events)[0] == whole["choices"][0]["message"]["content"]
+
+    # the openai client's streaming; completions too
+    chunks = list(server.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True))
+    whole = server.client.completions.create(model=MODEL, prompt="Once upon a time",
+                                             max_tokens=16, temperature=0)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_multibyte_text_is_never_split(server):
+    msgs = [{"role": "user", "content": "Write three emoji and the word café in French."}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 40, "temperature": 0}
+    whole = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
+        events = _sse(r)
+    parts = [c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"]]
+    assert "".join(parts) == whole
+    assert not any("\ufffd" in p for p in parts)
+
+
+def test_n_choices(server):
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                              temperature=0.9, seed=7, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    # choice i of a seeded request draws as a single request seeded seed + i
+    singles = [server.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0.9, seed=7 + i) for i in (0, 1)]
+    by_index = {c.index: c.message.content for c in r.choices}
+    assert by_index == {i: s.choices[0].message.content for i, s in enumerate(singles)}
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": "The sea", "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 2,
+            "stream": True}) as s:
+        events = _sse(s)
+    texts = _stream_text(events, chat=False)
+    whole = server.post("/v1/completions", {"prompt": "The sea", "max_tokens": 8,
+                                            "temperature": 0.9, "seed": 3, "n": 2}).json()
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    finals = [c for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert sorted(c["index"] for c in finals) == [0, 1]
+
+
+def test_stop_strings(server, smollm2):
+    ref = smollm2.generate(["Once upon a time"], SamplingParams(max_tokens=24))[0].text
+    words = ref.split()
+    stop = " " + words[4]
+    expected = ref[:ref.index(stop)]
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+            "stop": [stop, "zzzz-never"]}
+    r = server.post("/v1/completions", body).json()
+    assert r["choices"][0]["text"] == expected and r["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                      json={**body, "stream": True}) as s:
+        assert _stream_text(_sse(s), chat=False)[0] == expected
+    assert r["usage"]["completion_tokens"] < 24
+
+
+def test_logprobs(server):
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8,
+                                              temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert abs(item.logprob - item.top_logprobs[0].logprob) < 1e-5  # greedy: the argmax
+    assert "".join(i.token for i in content) == r.choices[0].message.content
+    r = server.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5,
+                                        "temperature": 0, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(len(t) == 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120, json={
+            "messages": CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "stream": True}) as s:
+        events = _sse(s)
+    items = [i for e in events[:-1] for c in e["choices"] if c["logprobs"]
+             for i in c["logprobs"]["content"]]
+    assert len(items) == 6 and all(i["top_logprobs"] == [] for i in items)
+
+
+def test_min_tokens_and_stop_token_ids(server, smollm2):
+    base = {"messages": CHAT, "max_tokens": 40, "temperature": 0}
+    plain = server.post("/v1/chat/completions", base).json()
+    n = plain["usage"]["completion_tokens"]
+    assert n < 20 and plain["choices"][0]["finish_reason"] == "stop"  # ends at eos
+    r = server.post("/v1/chat/completions", {**base, "min_tokens": 20}).json()
+    assert r["usage"]["completion_tokens"] >= 20  # eos does not end it before 20 tokens
+    # stop_token_ids: the third token of the greedy answer ends it (and counts)
+    ref = smollm2.generate(["Once upon a time"], SamplingParams(max_tokens=8))[0].token_ids
+    r = server.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8,
+                                        "temperature": 0, "stop_token_ids": [ref[2]]}).json()
+    assert r["usage"]["completion_tokens"] == ref.index(ref[2]) + 1
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_cached_tokens_on_a_repeated_long_prompt(server):
+    body = {"prompt": DOC + "\nQuestion: who kept the log?", "max_tokens": 4, "temperature": 0}
+    first = server.post("/v1/completions", body).json()["usage"]
+    second = server.post("/v1/completions", body).json()["usage"]
+    n = first["prompt_tokens"]
+    assert n > 200
+    details = second["prompt_tokens_details"]
+    assert details["cached_tokens"] >= n - 32
+    assert details["cached_tokens"] == details["local_prefix_tokens"] + details["pool_tokens"]
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": 2}, "top_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": 2**70}, "seed"),
+    ("/v1/chat/completions", {"max_tokens": 4}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2.5]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": list(range(1, 9000))}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_bad_request_is_400_naming_the_field(server, path, body, param):
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert err["message"]
+
+
+def test_other_errors(server):
+    r = server.post("/v1/chat/completions", "{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = server.post("/v1/chat/completions", {"model": "gpt-9", "messages": CHAT})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{server.url}/v1/nothing").status_code == 404
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=MODEL, messages=CHAT, top_p=3.0)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="other", prompt="hi", max_tokens=2)
+    # unknown fields are ignored; bad requests disturbed nothing
+    r = server.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3,
+                                             "temperature": 0, "frobnicate": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+# -- cancel on disconnect, concurrency ---------------------------------------------------------
+
+
+def test_abandoned_requests_are_cancelled(server):
+    before = server.metrics()
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "n": 2, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got >= 4:
+                break
+        assert server.metrics()["shoal:num_requests_running"] == 2
+    # a non-streaming request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", {**body, "stream": False, "n": 1},
+                    timeout=httpx.Timeout(120, read=2.0))
+    m = _wait_idle(server)
+    assert m["shoal:num_cancellations_total"] >= before.get("shoal:num_cancellations_total", 0) + 3
+    assert m["shoal:num_requests_waiting"] == 0
+    assert httpx.get(f"{server.url}/debug/integrity", timeout=60).json() == {"ok": True}
+
+
+def test_32_concurrent_streams_each_get_their_own_tokens(server, smollm2):
+    prompts = [f"List {i} things about the number {i * 7}:" for i in range(32)]
+    expected = [o.text for o in smollm2.generate(prompts, SamplingParams(max_tokens=8))]
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        text = ""
+        async with client.stream("POST", f"{server.url}/v1/completions", json={
+                "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+    m = _wait_idle(server)
+    assert m["shoal:request_success_total"] >= 32
+    assert m["shoal:time_to_first_token_seconds_count"] >= 32
+    assert m["shoal:inter_token_latency_seconds_count"] > 0
+    assert m["shoal:generation_tokens_total"] > 0 and m["shoal:prompt_tokens_total"] > 0
+
+
+def test_metrics_names(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("shoal:num_requests_running", "shoal:num_requests_waiting",
+                 "shoal:request_success_total", "shoal:prompt_tokens_total",
+                 "shoal:generation_tokens_total", "shoal:prefix_cache_queries_total",
+                 "shoal:prefix_cache_hits_total", "shoal:pool_lookups_total",
+                 "shoal:pool_hit_blocks_total", "shoal:pool_miss_blocks_total",
+                 "shoal:pool_bytes_loaded_total", "shoal:pool_bytes_saved_total",
+                 "shoal:pool_corrupt_blocks_total", "shoal:deadline_expiries_total",
+                 "shoal:kv_cache_usage_perc", "shoal:time_to_first_token_seconds_bucket",
+                 "shoal:inter_token_latency_seconds_bucket",
+                 "shoal:e2e_request_latency_seconds_bucket"):
+        assert name in text, name
+    assert 'owner="0"' in text
+
+
+# -- restart, SIGTERM, --dp 2 (last: they stop the shared server) ------------------------------
+
+
+def test_restart_on_the_same_pool_loads_cached_tokens(server, smollm2_path, pool_dir):
+    body = {"prompt": DOC + "\nQuestion: what did the keeper log?", "max_tokens": 6,
+            "temperature": 0}
+    before = server.post("/v1/completions", body).json()
+    # SIGTERM during a running stream: it finishes or is cut within the grace; exit 0
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": "Count to one hundred:", "max_tokens": 30, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        server.proc.send_signal(signal.SIGTERM)
+        events = _sse(lines)
+    assert events and events[-1] == "[DONE]"
+    assert server.stop() == 0
+    again = Server(smollm2_path, "--kv-pool", pool_dir, "--num-kv-blocks", "1024")
+    try:
+        after = again.post("/v1/completions", body).json()
+        details = after["usage"]["prompt_tokens_details"]
+        assert details["pool_tokens"] >= after["usage"]["prompt_tokens"] - 32, details
+        assert details["cached_tokens"] == details["pool_tokens"] + details["local_prefix_tokens"]
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        m = again.metrics()
+        assert m["shoal:pool_bytes_loaded_total"] > 0 and m["shoal:pool_hit_blocks_total"] > 0
+    finally:
+        assert again.stop() == 0
+
+
+def test_dp2_serves_and_sigterm_leaves_no_rank(smollm2_path, smollm2):
+    s = Server(smollm2_path, "--dp", "2", "--num-kv-blocks", "256")
+    try:
+        ranks = s.children()
+        assert len(ranks) >= 2
+        ref = smollm2.chat(CHAT, SamplingParams(max_tokens=12))[0].text
+        outs = [s.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                                 temperature=0) for _ in range(3)]
+        assert all(o.choices[0].message.content == ref for o in outs)
+        text = httpx.get(f"{s.url}/metrics").text
+        assert 'owner="1"' in text
+    finally:
+        assert s.stop() == 0
+    # the ranks are gone with the server (multiprocessing's resource tracker, also a
+    # child, exits once it sees the server's end: give it a moment)
+    deadline = time.monotonic() + 10
+    while [p for p in ranks if _is_alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in ranks if _is_alive(p)]
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# -- a fatal engine failure (in-process app, tiny model, fault-injecting connector) ---------
+
+
+def test_fatal_connector_failure_is_503(tiny_model, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from shoal import LLM
+    from shoal.connectors import ConnectorConfig
+    from shoal.serving.http import OpenAIServer, build_app
+
+    cfg = ConnectorConfig(module="tests.fault_connector", scheduler_class="FaultScheduler",
+                          worker_class="NoAbortFaultWorker",
+                          options={"root": str(tmp_path), "fault": {"raise_in": "save_kv_layer"}},
+                          transfer_timeout_sec=30, control_grace_sec=5)
+    llm = LLM(tiny_model, kv_connector=cfg, num_kv_blocks=64)
+    try:
+        client = TestClient(build_app(OpenAIServer(llm, "tiny")))
+        assert client.get("/health").status_code == 200
+        body = {"prompt": list(range(1, 41)), "max_tokens": 4, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["type"] == "service_unavailable" and "injected fault" in err["message"]
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "injected fault" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            assert s.status_code == 503
+    finally:
+        try:
+            llm.shutdown()
+        except RuntimeError as e:  # the connector's error, said again
+            assert "injected fault" in str(e)
