@@ -106,6 +106,12 @@ def test_prefill_matches_reference(dtype, block_size, heads):
     assert torch.isnan(out[:3]).all()  # rows of no request untouched
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="forces the kernel path on CPU tensors (the interpreter); "
+                                     "on a GPU tests/test_cuda.py runs it for real")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("overlap", [False, True])
 def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap):
     """The runner's kernel path (packed inputs, paged kernels: what CUDA runs), forced here
@@ -132,6 +138,7 @@ def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap)
     assert again[0].num_local_prefix_tokens > 0
 
 
+@CPU_ONLY
 def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
     """What a replayed graph reads (its padded batch: ladder sizes, scratch-block rows with no
     context, the table placed from a compact copy), run eagerly on CPU through the kernels:
@@ -170,3 +177,14 @@ def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
         assert runner.graphs.num_replays > 0
         llm.check_integrity()
     assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+def test_warm_up_touches_only_the_scratch_block(heads):
+    """Start-up compilation writes the scratch block (the last one) and nothing else."""
+    hq, hkv = heads
+    k_cache, v_cache = make_cache(5, 16, hkv, 32, torch.float32)
+    before_k, before_v = k_cache[:4].clone(), v_cache[:4].clone()
+    pa.warm_up(torch.empty(1, hq, 32, device=DEVICE), k_cache, v_cache, scratch_block=4)
+    assert torch.equal(k_cache[:4], before_k) and torch.equal(v_cache[:4], before_v)
+    assert k_cache[4, :2].abs().max() == 0  # the warm-up wrote zeros into the scratch slots

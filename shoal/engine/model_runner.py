@@ -42,6 +42,8 @@ class ModelRunner:
         self.table_width = cdiv(max_len, self.block_size)
         self._inputs = StepInputs(device) if self.is_paged else None
         self.graphs = None
+        if self.is_paged:
+            self._warm_up()
         if self.is_paged and not enforce_eager and model.shard.size == 1:
             self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_width)
 
@@ -72,6 +74,15 @@ class ModelRunner:
         not asked), or None if no request in it asked; cleared by the call."""
         logprobs, self._logprobs = self._logprobs, None
         return logprobs
+
+    def _warm_up(self) -> None:
+        from shoal.model.paged_attention import warm_up
+        attn = self.model.layers[0].self_attn
+        k_cache, v_cache = self.kv_cache.layers[0]
+        q = torch.empty(1, attn.num_heads, attn.head_dim, dtype=k_cache.dtype,
+                        device=self.device)
+        with torch.inference_mode():
+            warm_up(q, k_cache, v_cache, self.kv_cache.scratch_block)
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once a request can never be scheduled again."""

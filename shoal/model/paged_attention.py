@@ -175,6 +175,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         HP=_next_pow2(num_kv_heads), DP=_next_pow2(head_dim))
 
 
+def warm_up(q_like: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scratch_block: int) -> None:
+    """Compile every kernel now (start-up), not in the first request that needs it: a
+    one-token decode, a two-token prefill and a KV store, all on the scratch block."""
+    device = q_like.device
+    q = torch.zeros(2, *q_like.shape[1:], dtype=q_like.dtype, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    table = torch.full((1, 1), scratch_block, dtype=torch.int32, device=device)
+    kv = torch.zeros(2, *k_cache.shape[2:], dtype=k_cache.dtype, device=device)
+    store_kv(kv, kv, k_cache, v_cache, table[0].repeat(2), torch.arange(2, dtype=torch.int32,
+                                                                         device=device))
+    paged_decode(q[:1], k_cache, v_cache, table, one)
+    paged_prefill(q, k_cache, v_cache, table, one * 0, one * 2, one * 2, 2)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, context_lens: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,7 +221,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
-    block_m = 64 if max_q_len > 32 else 16
+    block_m = 64  # one variant: no compile on a new chunk length while serving
     grid = (q_lens.shape[0], triton.cdiv(max_q_len, block_m), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_table, q_starts, q_lens, context_lens,
