@@ -23,7 +23,7 @@ def hf_greedy_logits(model, ids: list[int], n: int) -> tuple[list[int], list[tor
     tokens, logits = [], []
     with torch.inference_mode():
         for _ in range(n):
-            out = model(torch.tensor([ids + tokens])).logits[0, -1].float()
+            out = model(torch.tensor([ids + tokens], device=model.device)).logits[0, -1].float()
             logits.append(out)
             tokens.append(int(out.argmax()))
     return tokens, logits

@@ -47,7 +47,8 @@ if HAS_TRITON:
         """One tile of keys at positions `pos` (`valid` ones exist; `seen` [rows, tile] says
         which query sees which): their K/V read through the block table, folded into the
         running (max m, sum total, accumulator acc) of the online softmax."""
-        block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+        # int64: a block's offset (block id x all layers' bytes of a block) passes 2**31
+        block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :],
@@ -147,7 +148,7 @@ if HAS_TRITON:
                          stride_ch, stride_vcb, stride_vct, stride_vch,
                          H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
         t = tl.program_id(0)
-        block = tl.load(blocks_ptr + t)
+        block = tl.load(blocks_ptr + t).to(tl.int64)  # its offset may pass 2**31
         slot = tl.load(offsets_ptr + t)
         h = tl.arange(0, HP)
         d = tl.arange(0, DP)
