@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
@@ -38,11 +41,62 @@ def test_generate_json_on_smollm2(smollm2_path, tmp_path):
     (["generate", "--prompt", "x", "--max-tokens", "-3"], "max_tokens"),
     (["generate", "--prompt", "x", "--model", "/nonexistent/model"], "neither a preset"),
     (["generate"], "no prompts"),
+    (["serve", "--port", "0"], "--port"),
+    (["serve", "--shutdown-grace", "-1"], "--shutdown-grace"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(args, needle):
     r = shoal(*args)
     assert r.returncode == 2
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_serve_on_an_address_it_cannot_take_is_one_line_and_exit_1():
+    """Checked before the model loads: a port in use, a host that is not this machine's."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for args, needle in ((["--port", port], f"127.0.0.1:{port}"),
+                             (["--host", "203.0.113.1"], "203.0.113.1:8000")):
+            r = shoal("serve", "--model", "/nonexistent/model", *args)
+            assert r.returncode == 1, r.stderr
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"cannot listen on {needle}" in lines[0], r.stderr
+
+
+# every option `shoal serve --help` lists; each is exercised: the engine's below, the
+# server's in test_serve.py (--host, --port, --served-model-name, --shutdown-grace,
+# --access-log) and above (bad --port, --shutdown-grace, an address in use)
+SERVE_OPTIONS = {
+    "--model", "--dp", "--tp", "--kv-pool", "--block-size", "--max-batch-size",
+    "--max-num-tokens", "--num-kv-blocks", "--kv-cache-gb", "--no-overlap", "--device",
+    "--dtype", "--enforce-eager", "--host", "--port", "--served-model-name",
+    "--shutdown-grace", "--access-log"}
+
+
+def test_serve_help_lists_only_tested_options():
+    r = shoal("serve", "--help")
+    assert r.returncode == 0
+    assert set(re.findall(r"--[a-z][a-z-]*", r.stdout)) - {"--help"} == SERVE_OPTIONS
+
+
+def test_engine_flags_reach_the_engine_config():
+    from shoal.config import EngineConfig
+    from shoal.serving.cli import _engine_kwargs, build_parser
+    args = build_parser().parse_args([
+        "serve", "--dp", "2", "--tp", "3", "--kv-pool", "/p", "--block-size", "8",
+        "--max-batch-size", "4", "--max-num-tokens", "64", "--num-kv-blocks", "32",
+        "--kv-cache-gb", "0.5", "--no-overlap", "--device", "cuda:1", "--dtype", "bfloat16",
+        "--enforce-eager"])
+    assert _engine_kwargs(args) == dict(
+        kv_pool="/p", dp_size=2, tp_size=3, block_size=8, max_batch_size=4, max_num_tokens=64,
+        num_kv_blocks=32, kv_cache_gb=0.5, overlap_scheduler=False, device="cuda:1",
+        dtype="bfloat16", enforce_eager=True)
+    # without flags: EngineConfig's own defaults
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    kwargs = _engine_kwargs(build_parser().parse_args(["serve"]))
+    assert kwargs.pop("kv_pool") is None
+    assert kwargs == {k: defaults[k] for k in kwargs}
 
 
 def test_help_lists_the_commands():

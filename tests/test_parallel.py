@@ -188,6 +188,31 @@ def test_router_is_load_aware_with_prefix_affinity():
     assert r.assign([5, 5]) == 1  # shorter than a block: no affinity, least loaded
 
 
+def test_router_remembers_a_bounded_number_of_first_blocks(monkeypatch):
+    from shoal.parallel import router
+    monkeypatch.setattr(router, "MAX_AFFINITY_KEYS", 2)
+    r = router.Router(2, block_size=2)
+
+    def to_owner_1(prompt):  # owner 0 is busy (a prompt shorter than a block), then free
+        r.assign([9])
+        assert r.assign(prompt) == 1
+        r.release(0)
+        r.release(1)
+
+    def on_a_tie(prompt) -> int:  # the remembered owner, else the lowest rank
+        owner = r.assign(prompt)
+        r.release(owner)
+        return owner
+
+    a, b, c = [1, 1], [2, 2], [3, 3]
+    to_owner_1(a)
+    to_owner_1(b)
+    assert on_a_tie(a) == 1  # remembered; now b is the least recently routed
+    to_owner_1(c)  # b is forgotten to make room
+    assert on_a_tie(b) == 0  # (and a is forgotten for b)
+    assert on_a_tie(c) == 1 and on_a_tie(a) == 0
+
+
 @pytest.mark.slow
 def test_torchrun_launch_of_two_adp_owners(smollm2_path, smollm2):
     import json

@@ -1,15 +1,17 @@
 """`shoal serve` as a real subprocess on 127.0.0.1: the OpenAI client and raw HTTP against
 `LLM.generate`/`LLM.chat` on the real SmolLM2; errors, cancel on disconnect, concurrency,
-restart on a warm pool, SIGTERM, --dp 2."""
+the server's options, restart on a warm pool, SIGTERM, --dp 2."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from shoal import SamplingParams
+from shoal.serving.http import READY_MESSAGE
 
 pytestmark = pytest.mark.slow
 
@@ -35,32 +38,63 @@ def _free_port() -> int:
 
 
 class Server:
-    """`python -m shoal serve ...` on a free port; ready once /health answers 200."""
+    """`python -m shoal serve ...` on a free port; ready once it printed READY_MESSAGE (its
+    URL: http://HOST:PORT). A thread keeps its output (stdout and stderr): a full pipe would
+    block it, and tests wait for lines in it."""
 
     def __init__(self, model_path: str, *args: str):
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "SHOAL_SERVE_DEBUG": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shoal", "serve", "--model", model_path, "--port",
              str(self.port), "--served-model-name", MODEL, *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}: "
-                                     f"{self.proc.stdout.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            self.stop()
-            raise AssertionError("server not ready in time")
+        self.output: list[str] = []
+        self._is_output_closed = False
+        self._has_exited = False
+        self._is_terminated = False
+        self._output_changed = threading.Condition()
+        threading.Thread(target=self._read_output, name="server-output", daemon=True).start()
+        threading.Thread(target=self._notice_exit, name="server-exit", daemon=True).start()
+        ready = self.wait_for_line(READY_MESSAGE, READY_TIMEOUT, or_exit=True)
+        if ready is None:
+            self.proc.kill()
+            raise AssertionError(f"server not ready (exit status {self.proc.wait()}): "
+                                 f"{''.join(self.output)}")
+        self.url = ready.split()[len(READY_MESSAGE.split())]
+        assert httpx.get(f"{self.url}/health", timeout=60).status_code == 200
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
                                     timeout=120)
+
+    def _read_output(self) -> None:
+        for line in self.proc.stdout:
+            with self._output_changed:
+                self.output.append(line)
+                self._output_changed.notify_all()
+        with self._output_changed:  # every process holding the pipe has ended
+            self._is_output_closed = True
+            self._output_changed.notify_all()
+
+    def _notice_exit(self) -> None:
+        """Wake `wait_for_line(..., or_exit=True)` once the server exited (its rank
+        processes may hold the output open)."""
+        fd = os.pidfd_open(self.proc.pid)
+        select.select([fd], [], [])
+        os.close(fd)
+        with self._output_changed:
+            self._has_exited = True
+            self._output_changed.notify_all()
+
+    def wait_for_line(self, text: str, timeout: float, or_exit: bool = False) -> str | None:
+        """The first output line containing `text`, once printed; None if the output ended,
+        `timeout` seconds passed or (`or_exit`) the server exited first."""
+        def line():
+            return next((x for x in self.output if text in x), None)
+        def is_over() -> bool:
+            return self._is_output_closed or (or_exit and self._has_exited)
+        with self._output_changed:
+            self._output_changed.wait_for(lambda: line() is not None or is_over(), timeout)
+            return line()
 
     def children(self) -> list[int]:
         """Pids of the server's child processes (rank processes)."""
@@ -75,10 +109,16 @@ class Server:
                     out.append(int(d.name))
         return out
 
-    def stop(self, timeout: float = 120.0) -> int:
-        """SIGTERM; the exit status."""
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one while the server shuts down would kill it."""
+        if not self._is_terminated:
+            self._is_terminated = True
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM (unless sent already); the exit status."""
+        if self.proc.poll() is None:
+            self.terminate()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -135,13 +175,13 @@ def server(smollm2_path, pool_dir):
 
 
 def _wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if m["shoal:num_requests_running"] == 0 and m["shoal:kv_cache_usage_perc"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.2)
+    """The metrics once the engine has no work (/debug/idle waits for the driver to find
+    none): nothing running, every KV block free."""
+    r = httpx.get(f"{server.url}/debug/idle", params={"timeout": timeout}, timeout=timeout + 60)
+    assert r.json() == {"idle": True}, r.text
+    m = server.metrics()
+    assert m["shoal:num_requests_running"] == 0 and m["shoal:kv_cache_usage_perc"] == 0, m
+    return m
 
 
 # -- text equals the library's -----------------------------------------------------------
@@ -417,6 +457,51 @@ def test_metrics_names(server):
     assert 'owner="0"' in text
 
 
+# -- the server's own options -------------------------------------------------------------------
+
+
+def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2):
+    s = Server(smollm2_path, "--host", "127.0.0.2", "--access-log", "--shutdown-grace", "1",
+               "--no-overlap", "--max-batch-size", "4", "--max-num-tokens", "64",
+               "--num-kv-blocks", "320")
+    try:
+        # --host: it listens there, not on 127.0.0.1
+        assert s.url == f"http://127.0.0.2:{s.port}"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=10)
+        # --max-num-tokens 64: the prompt is prefilled in 64-token chunks, one per step (the
+        # default prefills it in one)
+        body = {"prompt": DOC, "max_tokens": 4, "temperature": 0}
+        r = s.post("/v1/completions", body).json()
+        ref = smollm2.generate([DOC], SamplingParams(max_tokens=4))[0].text
+        assert r["choices"][0]["text"] == ref
+        steps = _wait_idle(s)["shoal:iterations_total"]
+        num_chunks = -(-r["usage"]["prompt_tokens"] // 64)
+        assert steps >= num_chunks + 3, (steps, num_chunks)
+        # --max-batch-size 4: 8 choices of 4 tokens take 8 steps or more (4 by default)
+        r = s.post("/v1/completions", {"prompt": "The sea", "max_tokens": 4, "temperature": 0,
+                                       "ignore_eos": True, "n": 8}).json()
+        assert r["usage"]["completion_tokens"] == 32
+        assert _wait_idle(s)["shoal:iterations_total"] - steps >= 8
+        # --access-log: one line per request
+        assert s.wait_for_line('"POST /v1/completions HTTP/1.1" 200', READY_TIMEOUT)
+        # --shutdown-grace 1: a stream far from done is cut a second after SIGTERM
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120, json={
+                "prompt": "Count to ten thousand:", "max_tokens": 4000, "ignore_eos": True,
+                "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            s.terminate()
+            start = time.monotonic()
+            with pytest.raises(httpx.RemoteProtocolError):  # the body never ends
+                _sse(lines)
+            cut_after = time.monotonic() - start
+        assert s.wait_for_line("timeout graceful shutdown exceeded", READY_TIMEOUT)
+        assert cut_after < 15  # the default grace (30 s) would have let it run on
+    finally:
+        assert s.stop() == 0
+
+
 # -- restart, SIGTERM, --dp 2 (last: they stop the shared server) ------------------------------
 
 
@@ -429,7 +514,7 @@ def test_restart_on_the_same_pool_loads_cached_tokens(server, smollm2_path, pool
             "prompt": "Count to one hundred:", "max_tokens": 30, "stream": True}) as r:
         lines = r.iter_lines()
         next(lines)
-        server.proc.send_signal(signal.SIGTERM)
+        server.terminate()
         events = _sse(lines)
     assert events and events[-1] == "[DONE]"
     assert server.stop() == 0
@@ -451,6 +536,7 @@ def test_dp2_serves_and_sigterm_leaves_no_rank(smollm2_path, smollm2):
     try:
         ranks = s.children()
         assert len(ranks) >= 2
+        exits = _pidfds(ranks)  # these processes, whoever reuses their pids later
         ref = smollm2.chat(CHAT, SamplingParams(max_tokens=12))[0].text
         outs = [s.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
                                                  temperature=0) for _ in range(3)]
@@ -460,19 +546,53 @@ def test_dp2_serves_and_sigterm_leaves_no_rank(smollm2_path, smollm2):
     finally:
         assert s.stop() == 0
     # the ranks are gone with the server (multiprocessing's resource tracker, also a
-    # child, exits once it sees the server's end: give it a moment)
-    deadline = time.monotonic() + 10
-    while [p for p in ranks if _is_alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in ranks if _is_alive(p)]
+    # child, exits once it sees the server's end: within a bound)
+    assert _still_running(exits, timeout=10) == []
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+def _pidfds(pids: list[int]) -> dict[int, int]:
+    """pid -> a pidfd of that process (readable once it exited); those gone already left out."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[pid] = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pass
+    return fds
+
+
+def _still_running(pidfds: dict[int, int], timeout: float) -> list[int]:
+    """The pids whose process has not exited within `timeout` seconds (waits on each pidfd;
+    closes them)."""
+    deadline = time.monotonic() + timeout
+    running = []
+    for pid, fd in pidfds.items():
+        readable, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
+        if not readable:
+            running.append(pid)
+        os.close(fd)
+    return running
+
+
+# -- the driver (in process, tiny model) -------------------------------------------------------
+
+
+def test_driver_wait_idle_and_a_request_added_around_it(tiny_model, caplog):
+    from shoal import LLM
+    from shoal.request import NewRequest
+    with LLM(tiny_model, num_kv_blocks=64) as llm:
+        driver = llm._driver
+        assert driver.wait_idle(timeout=0)  # nothing submitted yet
+        direct = llm.engine.add(NewRequest([1, 2, 3], SamplingParams(max_tokens=2)))
+        h = llm.submit([4, 5, 6], SamplingParams(max_tokens=1000, ignore_eos=True))
+        assert not driver.wait_idle(timeout=0)
+        h.cancel()
+        assert driver.wait_idle(timeout=60)
+        assert h.result(timeout=0).finish_reason == "cancelled"
+        stats = llm.stats()
+        assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
+    # the engine handed back a request the driver never had a handle for: said as it is
+    assert f"request {direct} was added to the engine directly" in caplog.text
 
 
 # -- a fatal engine failure (in-process app, tiny model, fault-injecting connector) ---------

@@ -248,15 +248,14 @@ class Fleet:
     def _collect(self, kind: type, timeout: float) -> list:
         """One `kind` message from every rank, in rank order."""
         got: dict[int, object] = {}
-        waited = 0.0
+        deadline = time.monotonic() + timeout  # a wait ends early whenever results arrive
         while len(got) < self.world_size:
             for m in self._receive(POLL_SECONDS):
                 if isinstance(m, kind):
                     got[m.rank] = m
                 elif isinstance(m, msg.Results):
                     self._early.merge(self._returned(m.result))
-            waited += POLL_SECONDS
-            if waited > timeout:
+            if time.monotonic() > deadline:
                 self._fail(f"no {kind.__name__} from ranks "
                            f"{sorted(set(range(self.world_size)) - set(got))}")
         return [got[r] for r in range(self.world_size)]

@@ -6,8 +6,9 @@
 (across machines: `--nnodes N --node-rank I --master-addr HOST --master-port PORT`).
 Every rank parses the same arguments and runs the same rank loop as a spawned fleet
 (shoal.parallel.rank), with the request list as its inbox. TP: every rank takes every
-request (the same list on every rank: nothing is broadcast). ADP: request i belongs to owner i % world_size. The run
-ends when the requests are taken and no rank has work; rank 0 then collects the results.
+request (the same list on every rank: nothing is broadcast). ADP: request i belongs to
+owner i % world_size. The run ends when the requests are taken and no rank has work; rank
+0 then collects the results.
 """
 
 from __future__ import annotations

@@ -123,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         sb.add_argument(f"--{flag}", type=int, default=default)
     io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads")
     io.add_argument("--num-blocks", type=int, default=256)
-    io.add_argument("--threads", type=int, default=4)
+    io.add_argument("--threads", type=int, help="I/O threads (default: the fs connector's, "
+                    "4 on a CPU, 8 with --device cuda)")
+    io.add_argument("--device", default="cpu", help="cpu, or cuda: GPU blocks of Llama-3.2-1B's "
+                    "shape, through the host tier")
     io.add_argument("--rounds", type=int, default=3)
     return parser
 
@@ -169,10 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("no prompts: give --prompt TEXT or --prompts-file F")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    if args.kv_pool is not None:  # a bad pool directory fails before the weights load
-        from shoal.connectors.fs.connector import open_pool
-        from shoal.llm import pool_connector
-        open_pool(pool_connector(args.kv_pool))
+    _check_pool(args)
     from shoal.parallel.torchrun import launched_by_torchrun
     if launched_by_torchrun():
         return _generate_under_torchrun(args, prompts, sampling)
@@ -188,24 +188,33 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import contextlib
+
     from shoal import LLM
-    from shoal.serving.http import serve
+    from shoal.serving.http import listen, serve
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
-    if args.kv_pool is not None:  # a bad pool directory fails before the weights load
+    _check_pool(args)
+    # an address in use fails before the weights load too
+    with contextlib.closing(listen(args.host, args.port)) as sock:
+        llm = LLM(args.model, **_engine_kwargs(args))
+        try:
+            serve(llm, sock, args.served_model_name or args.model, args.shutdown_grace,
+                  access_log=args.access_log)
+        finally:
+            llm.shutdown()  # drains pending saves, stops every rank
+    return 0
+
+
+def _check_pool(args: argparse.Namespace) -> None:
+    """A bad --kv-pool directory fails before the weights load."""
+    if args.kv_pool is not None:
         from shoal.connectors.fs.connector import open_pool
         from shoal.llm import pool_connector
         open_pool(pool_connector(args.kv_pool))
-    llm = LLM(args.model, **_engine_kwargs(args))
-    try:
-        serve(llm, args.host, args.port, args.served_model_name or args.model,
-              args.shutdown_grace, access_log=args.access_log)
-    finally:
-        llm.shutdown()  # drains pending saves, stops every rank
-    return 0
 
 
 def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:

@@ -125,6 +125,9 @@ class Driver:
         self._error: BaseException | None = None
         self._stopped = False
         self._lock = threading.RLock()  # handles: the driver's, or abandon's from a watchdog
+        # set while the engine has no work and no operation is queued (or once it stopped)
+        self._idle = threading.Event()
+        self._idle_lock = threading.Lock()  # queueing an op vs the loop finding none queued
 
     def start(self) -> None:
         if self._thread is None:
@@ -141,10 +144,13 @@ class Driver:
     def run_soon(self, fn: Callable) -> Future:
         fut: Future = Future()
         self._raise_if_failed()
-        self._ops.put((fn, fut))
+        with self._idle_lock:
+            self._idle.clear()  # fn may add work
+            self._ops.put((fn, fut))
         self._wake.set()
         if self._error is not None:  # the driver failed meanwhile: nobody runs it
             self._run_ops(self._error)
+            self._idle.set()
         return fut
 
     def submit(self, requests: list[NewRequest]) -> list[RequestHandle]:
@@ -168,6 +174,18 @@ class Driver:
             fut.result()
         finally:
             self._thread.join()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the engine has no work: every request ended and was handed back (its
+        KV blocks freed, its saves reported) and no operation is queued. False if `timeout`
+        seconds passed first; the engine's error if it stopped for good. A later submit
+        makes it busy again."""
+        if self._thread is None:
+            self._raise_if_failed()
+            return not self.engine.has_work
+        is_idle = self._idle.wait(timeout)
+        self._raise_if_failed()
+        return is_idle
 
     @property
     def error(self) -> BaseException | None:
@@ -218,6 +236,9 @@ class Driver:
                 self._run_ops()
                 return
             if not self.engine.has_work:
+                with self._idle_lock:
+                    if self._ops.empty():
+                        self._idle.set()
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -255,8 +276,9 @@ class Driver:
                     handle._push(list(token_ids), result.new_logprobs.get(rid))
             for out in result.finished:
                 handle = self._handles.pop(out.request_id, None)
-                if handle is None:
-                    log.error("request %s ended twice", out.request_id)
+                if handle is None:  # the engine returns a request once: it was not added here
+                    log.warning("request %s was added to the engine directly, not through "
+                                "submit: its output is dropped", out.request_id)
                     continue
                 handle._finish(self._complete(out))
 
@@ -269,6 +291,7 @@ class Driver:
         for handle in handles:
             handle._fail(error)
         self._run_ops(error)
+        self._idle.set()  # nothing runs any more: wait_idle returns (or raises the error)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

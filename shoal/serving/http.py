@@ -7,8 +7,9 @@ The engine runs on the LLM's driver thread. A request is tokenized, checked and 
 on a worker thread (submit waits for the driver between two steps); its tokens come back
 to the event loop through the handle's callback (`generation.py`), so the loop never
 waits for the engine. Errors use OpenAI's body; bad input is a 400 naming the field.
-SIGTERM/SIGINT: stop accepting, let running requests finish within the grace (then cancel
-them), `llm.shutdown()`, exit 0.
+Once the port accepts requests, one line on stderr says so (`READY_MESSAGE`, the URL, the
+served name). SIGTERM/SIGINT: stop accepting, let running requests finish within the grace
+(then cancel them), `llm.shutdown()`, exit 0.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -44,6 +47,8 @@ from shoal.serving.responses import ChatFormat, CompletionFormat, ResponseFormat
 log = logging.getLogger(__name__)
 
 SUBMIT_THREADS = 64  # requests being tokenized and added at once
+# the line on stderr once listening: "shoal serve: ready on http://HOST:PORT (model NAME)"
+READY_MESSAGE = "shoal serve: ready on"
 
 
 class OpenAIServer:
@@ -68,6 +73,11 @@ class OpenAIServer:
     def engine_error(self) -> BaseException | None:
         """Why the engine stopped for good (the driver's record; LLM has no public one)."""
         return self.llm._driver.error
+
+    def wait_idle(self, timeout: float) -> bool:
+        """(worker thread) True once the engine has no work (every request ended, its KV
+        blocks freed); False after `timeout` seconds (the driver's wait, as for engine_error)."""
+        return self.llm._driver.wait_idle(timeout)
 
     def close(self) -> None:
         self._submitter.shutdown(wait=False, cancel_futures=True)
@@ -333,22 +343,47 @@ def build_app(server: OpenAIServer) -> FastAPI:
                 return _error_response(ApiError(500, str(e), type_="server_error"))
             return {"ok": True}
 
+        @app.get("/debug/idle")
+        async def idle(timeout: float = 30.0):
+            """Waits (at most `timeout` seconds) until the engine has no work: a test's
+            signal that abandoned requests were cancelled and their blocks freed."""
+            loop = asyncio.get_running_loop()
+            try:
+                is_idle = await loop.run_in_executor(server._submitter, server.wait_idle, timeout)
+            except Exception as e:  # the engine stopped for good: wait_idle raises its error
+                return _error_response(_engine_stopped(e))
+            return {"idle": is_idle}
+
     return app
 
 
-def serve(llm: LLM, host: str, port: int, served_model_name: str,
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for `serve` (bound before the model loads, so an address
+    in use or unknown fails at once: OSError naming it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+def serve(llm: LLM, sock: socket.socket, served_model_name: str,
           shutdown_grace_sec: float, access_log: bool = False) -> None:
-    """Serve until SIGTERM/SIGINT; then stop accepting, give running requests
-    `shutdown_grace_sec` to finish (cancel the rest) and return. The caller shuts the LLM
-    down."""
+    """Serve on `sock` (from `listen`) until SIGTERM/SIGINT; then stop accepting, give
+    running requests `shutdown_grace_sec` to finish (cancel the rest) and return. The
+    caller shuts the LLM down."""
     server = OpenAIServer(llm, served_model_name)
-    config = uvicorn.Config(build_app(server), host=host, port=port, lifespan="off",
+    config = uvicorn.Config(build_app(server), lifespan="off",
                             log_level="info" if access_log else "warning",
                             access_log=access_log, timeout_graceful_shutdown=shutdown_grace_sec)
     try:
-        _Server(config, server).run()
+        _Server(config, server).run(sockets=[sock])
     finally:
         server.close()
+        sock.close()
 
 
 class _Server(uvicorn.Server):
@@ -359,6 +394,14 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, server: OpenAIServer):
         super().__init__(config)
         self._openai = server
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:  # listening: requests are accepted from now on
+            host, port = sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            print(f"{READY_MESSAGE} http://{host}:{port} (model {self._openai.model_name})",
+                  file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def capture_signals(self):
