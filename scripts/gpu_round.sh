@@ -11,7 +11,7 @@ what=$1; shift
 if [ "$what" = tests ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' | tee -a "$OUT/gpu.txt"
-  python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_cuda.py \
+  python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_cuda.py tests/test_host_tier.py \
     -k "not smollm2" "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
 else
   for spec in "$@"; do  # shape:num_prompts:prompt_len:max_tokens

@@ -144,10 +144,12 @@ class FaultWorker(_Faulty, FsPoolWorker):
         table = self._loads if kind == "load" else self._saves
         table[t.request_id].remove(placeholder)
         if kind == "load":
-            fut = self._io.submit(self._load_blocks, [t])
-        else:  # the late copy out of the KV (to the host first, as wait_for_save does)
-            fut = self._io.submit(self._save_block, t, self.kv[t.block_id].to("cpu"))
-        table[t.request_id].append(fut)
+            table[t.request_id].append(self._io.submit(self._load_blocks, [t]))
+        else:  # the late copy out of the KV, started as a step's saves are
+            meta = self.get_connector_meta()
+            self.bind_connector_meta(FsPoolMeta(saves=[t]))
+            FsPoolWorker.wait_for_save(self)
+            self.bind_connector_meta(meta)
 
     def abort(self, request_ids):
         self.faults.hook("abort")

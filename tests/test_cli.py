@@ -188,3 +188,13 @@ def test_an_error_inside_a_rank_is_one_line(smollm2_path):
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "rank" in lines[0] and "restart is required" in lines[0], r.stderr
+
+
+def test_bench_pool_io_runs_and_reports_ratios():
+    """`shoal bench pool-io` end to end on a few blocks (the figures are the bench's, not
+    asserted): it checks the loaded bytes itself and prints one JSON line."""
+    r = shoal("bench", "pool-io", "--num-blocks", "8", "--rounds", "1", "--threads", "2")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["device"] == "cpu" and result["num_blocks"] == 8 and result["threads"] == 2
+    assert result["load_gbps"] > 0 and result["save_gbps"] > 0 and result["load_over_raw"] > 0

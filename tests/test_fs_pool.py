@@ -249,6 +249,8 @@ def test_bad_fs_options_fail_at_bring_up(tiny_model, tmp_path):
     for options, needle in [({}, "root"), ({"root": str(tmp_path), "load_mode": "later"}, "load_mode"),
                             ({"root": str(tmp_path), "io_threads": 0}, "io_threads"),
                             ({"root": str(tmp_path), "max_bytes": -1}, "max_bytes"),
+                            ({"root": str(tmp_path), "host_tier_bytes": -1}, "host_tier_bytes"),
+                            ({"root": str(tmp_path), "host_tier_bytes": "2G"}, "host_tier_bytes"),
                             ({"root": str(tmp_path), "colour": 1}, "unknown options")]:
         with pytest.raises(ValueError, match=needle):
             LLM(tiny_model, kv_connector=ConnectorConfig(name="fs", options=options), **KW)

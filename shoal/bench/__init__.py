@@ -17,7 +17,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp)
     if args.bench == "pool-io":
         from shoal.bench.pool_io import run_pool_io
-        return run_pool_io(args.num_blocks, args.threads, args.rounds)
+        threads = args.threads or (8 if args.device.startswith("cuda") else 4)
+        return run_pool_io(args.num_blocks, threads, args.rounds, args.device)
     if args.bench == "adp":
         from shoal.bench.adp import run_adp
         return run_adp(args.model, args.num_prompts, args.max_tokens, args.device)

@@ -7,12 +7,18 @@ import json
 import statistics
 import tempfile
 
+import torch
+
 from shoal import LLM, SamplingParams
+from shoal.kv.kv_cache_manager import cdiv
 
 ONE = SamplingParams(max_tokens=1)
 
 
 def _prompt(llm: LLM, num_tokens: int) -> list[int]:
+    if llm.config.model.startswith("random:"):  # no tokenizer: random token ids
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(3, llm.engine.info.vocab_size, (num_tokens,), generator=gen).tolist()
     text = " ".join(f"Clause {i}: the tenant keeps the harbor gate closed after dark."
                     for i in range(num_tokens // 8))
     ids = llm.tokenizer.encode(text)[:num_tokens - 16]
@@ -20,8 +26,13 @@ def _prompt(llm: LLM, num_tokens: int) -> list[int]:
 
 
 def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int = 1) -> int:
-    """tp > 1: every engine is a TP fleet (each rank saves and loads its shard)."""
+    """tp > 1: every engine is a TP fleet (each rank saves and loads its shard). On a GPU the
+    prompt is prefilled in one chunk (as fast as recomputing goes) and decode graphs are
+    not captured (they play no part in a TTFT)."""
     kw = dict(device=device, tp_size=tp)
+    if device.startswith("cuda"):
+        kw.update(max_num_tokens=max(prefix_tokens, 2048), enforce_eager=True,
+                  num_kv_blocks=cdiv(prefix_tokens, 16) + 64)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-ttft-") as pool:
         recomputed, loaded, loaded_tokens = [], [], []
         with LLM(model, kv_pool=pool, **kw) as llm:  # computes and saves
@@ -32,11 +43,12 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
                 out = llm.generate([prompt], ONE)[0]
                 loaded.append(out.metrics.ttft_s)
                 loaded_tokens.append(out.num_connector_tokens)
+                bytes_loaded = llm.stats()["bytes_loaded"]
             with LLM(model, **kw) as llm:  # fresh engine, no pool: recompute
                 recomputed.append(llm.generate([prompt], ONE)[0].metrics.ttft_s)
     result = {
         "bench": "ttft", "model": model, "device": device, "tp": tp, "prompt_tokens": len(prompt),
-        "rounds": rounds, "tokens_loaded": loaded_tokens[0],
+        "rounds": rounds, "tokens_loaded": loaded_tokens[0], "bytes_loaded": bytes_loaded,
         "ttft_recomputed_s": statistics.median(recomputed),
         "ttft_pool_s": statistics.median(loaded),
         "ratio_pool_over_recomputed": statistics.median(loaded) / statistics.median(recomputed),
@@ -47,8 +59,8 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
           f"median of {rounds} rounds")
     print(f"  TTFT recomputed          {result['ttft_recomputed_s']:8.3f} s")
     print(f"  TTFT from the pool       {result['ttft_pool_s']:8.3f} s  "
-          f"({loaded_tokens[0]} tokens loaded)")
-    print(f"  ratio pool / recomputed  {result['ratio_pool_over_recomputed']:8.3f}  (goal <= 0.05)")
+          f"({loaded_tokens[0]} tokens, {bytes_loaded / 1e9:.3f} GB loaded)")
+    print(f"  ratio pool / recomputed  {result['ratio_pool_over_recomputed']:8.3f}")
     print(json.dumps(result))
     return 0
 

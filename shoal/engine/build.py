@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,9 +49,24 @@ class EngineParts:
     info: EngineInfo
 
 
+GPU_GIL_SWITCH_SECONDS = 100e-6
+
+
+def hand_over_the_gil_often() -> None:
+    """A GPU engine's host threads (the forward thread of the overlap loop, the pool's I/O
+    threads) each hold the GIL briefly between waits that release it; with Python's default
+    5 ms switch interval one that wants the GIL back after a wait (a step's tokens arrived,
+    a copy ended) can wait up to 5 ms behind a thread running Python, which would be most
+    of a decode step. A process running a GPU engine is a server: set for the process."""
+    if sys.getswitchinterval() > GPU_GIL_SWITCH_SECONDS:
+        sys.setswitchinterval(GPU_GIL_SWITCH_SECONDS)
+
+
 def build_engine_parts(config: EngineConfig, peers: Peers,
                        on_stuck: Callable[[str], None] | None = None) -> EngineParts:
     device = torch.device(config.device)
+    if device.type == "cuda":
+        hand_over_the_gil_often()
     dtype = config.torch_dtype
     source = load_model_source(config.model)
     cfg = source.config

@@ -43,6 +43,7 @@ STAT_KEYS = (
     "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
     "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved", "load_gbps", "save_gbps",
     "kv_blocks_used", "control_seconds", "forward_seconds", "transfers_aborted",
+    "host_tier_hit_blocks",
 )
 
 

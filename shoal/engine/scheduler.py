@@ -11,7 +11,7 @@ from shoal.kv.kv_cache_manager import KVCacheManager, cdiv
 from shoal.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """The slice of one request computed by a step."""
 
@@ -20,7 +20,10 @@ class ScheduledChunk:
     num_tokens: int  # positions [start, start + num_tokens) run through the model
     token_ids: list[int]  # known ids of those positions; the trailing placeholders are missing
     num_placeholders: int  # trailing positions whose ids the step in flight samples (overlap)
-    block_ids: list[int]  # snapshot of the request's blocks when scheduled
+    # the request's block list when scheduled: a list is only ever appended to while its
+    # request holds it (a release gives the request a new one), so entries [0, cdiv(start +
+    # num_tokens, block_size)) stay this chunk's even after the request moves on
+    block_ids: list[int]
     is_sampling: bool  # the chunk reaches the end of the known tokens: sample one token
     epoch: int  # request.num_preemptions when scheduled (a later preemption makes it stale)
 
@@ -240,20 +243,25 @@ class Scheduler:
 
     def _num_schedulable(self, req: Request) -> int:
         """Tokens a running request can compute now (0 when it is done but not yet updated)."""
-        if (len(req.output_token_ids) + req.num_inflight_tokens >= req.sampling.max_tokens
-                or req.num_known_tokens > self.max_request_len):
+        num_outputs = len(req.output_token_ids) + req.num_inflight_tokens
+        num_known = len(req.prompt_token_ids) + num_outputs  # req.num_known_tokens, inlined
+        if num_outputs >= req.sampling.max_tokens or num_known > self.max_request_len:
             return 0
-        return req.num_known_tokens - req.num_computed_tokens
+        return num_known - req.num_computed_tokens
 
     def _make_chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
-        token_ids = req.token_ids(start, end)
-        is_sampling = end == req.num_known_tokens
+        num_prompt = len(req.prompt_token_ids)
+        if start >= num_prompt:  # a decode: req.token_ids(start, end), the short way
+            token_ids = req.output_token_ids[start - num_prompt:end - num_prompt]
+        else:
+            token_ids = req.token_ids(start, end)
+        is_sampling = end == num_prompt + len(req.output_token_ids) + req.num_inflight_tokens
         req.num_computed_tokens = end
         if is_sampling:
             req.num_inflight_tokens += 1
         return ScheduledChunk(req, start, num_new, token_ids, num_new - len(token_ids),
-                              list(req.block_ids), is_sampling, req.num_preemptions)
+                              req.block_ids, is_sampling, req.num_preemptions)
 
     def _preempt(self, req: Request) -> None:
         if self.transfers is not None:
@@ -268,7 +276,8 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int) -> str | None:
         if token in req.stop_token_ids and len(req.output_token_ids) > req.sampling.min_tokens:
             return "stop"
-        if (len(req.output_token_ids) >= req.sampling.max_tokens
-                or req.num_tokens >= self.max_request_len):
+        num_outputs = len(req.output_token_ids)
+        if (num_outputs >= req.sampling.max_tokens
+                or len(req.prompt_token_ids) + num_outputs >= self.max_request_len):
             return "length"
         return None

@@ -20,7 +20,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
 
     def update_block_keys(self, req: Request) -> None:
-        """Key every full block of the request's known tokens."""
+        """Key every full block of the request's known tokens (nothing to do, and no work,
+        until a decode step completes a block)."""
+        if req.num_tokens // self.block_size <= len(req.block_keys):
+            return
         extend_block_keys(req.block_keys, req.token_ids(0, req.num_tokens), self.block_size,
                           request_seed(self.namespace, req.cache_salt))
 
@@ -36,6 +39,16 @@ class KVCacheManager:
         """Hold `cached_block_ids` (a prefix hit, only for a request with no blocks) and grow the
         request's blocks to cover its computed tokens (at least the hit) + num_new_tokens.
         False (and nothing changes) when there are not enough free blocks."""
+        if not cached_block_ids:  # the common case, a decode step above all: short and sweet
+            num_needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) \
+                - len(req.block_ids)
+            if num_needed <= 0:
+                return True
+            new = self.pool.allocate(num_needed)
+            if new is None:
+                return False
+            req.block_ids.extend(new)
+            return True
         held = len(req.block_ids) + len(cached_block_ids)
         num_tokens = max(req.num_computed_tokens, len(cached_block_ids) * self.block_size)
         num_needed = max(cdiv(num_tokens + num_new_tokens, self.block_size) - held, 0)
@@ -55,10 +68,11 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks whose KV is computed up to num_computed_tokens."""
-        if not self.enable_prefix_caching:
-            return
+        upto = num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or upto <= req.num_cached_blocks:
+            return  # caching off, or no block completed since the last call
         self.update_block_keys(req)
-        upto = min(num_computed_tokens // self.block_size, len(req.block_keys), len(req.block_ids))
+        upto = min(upto, len(req.block_keys), len(req.block_ids))
         for i in range(req.num_cached_blocks, upto):
             self.pool.cache_block(req.block_ids[i], req.block_keys[i])
         req.num_cached_blocks = max(req.num_cached_blocks, upto)

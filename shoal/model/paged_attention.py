@@ -65,7 +65,9 @@ if HAS_TRITON:
                                             input_precision=PRECISION).to(tl.float32)
         return m_new, total, acc
 
-    @triton.jit
+    # the table's row stride is its width, which changes from step to step: not specialized
+    # on (Triton would compile a variant for widths that are multiples of 16 in a request)
+    @triton.jit(do_not_specialize=["stride_table"])
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr,
                        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                        stride_vb, stride_vt, stride_vh, stride_ob, stride_oh, stride_table,
@@ -99,7 +101,7 @@ if HAS_TRITON:
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_table"])
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, starts_ptr, lens_ptr, ctx_ptr,
                         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,

@@ -3,11 +3,19 @@
 Content-addressed by block key, shared by any number of processes and ranks, persistent
 across restarts (format and publish protocol: format.py). Options:
 
-    root          pool directory (required; created with owner-only permissions)
-    load_mode     "async" (default: loads run on the I/O threads while other requests
-                  compute) or "sync" (loads run inside start_load_kv)
-    io_threads    I/O worker threads (default 4)
-    max_bytes     optional capacity; the least recently used files are trimmed past it
+    root            pool directory (required; created with owner-only permissions)
+    load_mode       "async" (default: loads run on the I/O threads while other requests
+                    compute) or "sync" (loads run inside start_load_kv)
+    io_threads      I/O worker threads (default 4; 8 with the KV cache on a GPU)
+    max_bytes       optional capacity; the least recently used files are trimmed past it
+    host_tier_bytes host memory kept as a cache of recently loaded and saved blocks, per
+                    process (default 2 GiB with the KV cache on a GPU, where it is pinned
+                    and also stages every copy: at least 4 pages of 16 MiB per I/O thread
+                    are kept; 0 on a CPU, where blocks are read straight into the cache)
+
+With a GPU cache (or a host tier) blocks move through pinned host pages, a page at a
+time, with copies on side streams (paged_io.py); on a CPU without a tier they are read
+straight into, and written straight from, the KV cache's memory.
 
 Only full prompt blocks move (the engine's `block_keys`). A block is saved by the step
 that completes it, unless the pool has it already; a request's load covers the longest
@@ -34,6 +42,8 @@ from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheReg
                                    KvConnectorScheduler, KvConnectorWorker, RequestView,
                                    SchedulerOutput)
 from shoal.connectors.fs.admin import trim_pool
+from shoal.connectors.fs.host_tier import HostTier, tier_shape
+from shoal.connectors.fs.paged_io import PagedMover
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +72,17 @@ class FsPoolOptions:
     is_async: bool  # load_mode == "async"
     io_threads: int
     max_bytes: int | None
+    host_tier_bytes: int
 
 
-def open_pool(config: ConnectorConfig) -> FsPoolOptions:
-    """Validate the fs options (ValueError naming the option) and create the pool dirs."""
+DEFAULT_TIER_BYTES_GPU = 2 << 30
+
+
+def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
+    """Validate the fs options (ValueError naming the option) and create the pool dirs.
+    `device`: where the KV cache lives (the defaults of io_threads and host_tier_bytes)."""
     opts = dict(config.options)
-    unknown = set(opts) - {"root", "load_mode", "io_threads", "max_bytes"}
+    unknown = set(opts) - {"root", "load_mode", "io_threads", "max_bytes", "host_tier_bytes"}
     if unknown:
         raise ValueError(f"fs connector: unknown options {sorted(unknown)}")
     if not opts.get("root"):
@@ -75,19 +90,23 @@ def open_pool(config: ConnectorConfig) -> FsPoolOptions:
     mode = opts.get("load_mode", "async")
     if mode not in ("async", "sync"):
         raise ValueError(f"fs connector: load_mode must be 'async' or 'sync', got {mode!r}")
-    threads = opts.get("io_threads", 4)
+    on_gpu = device.startswith("cuda")
+    threads = opts.get("io_threads", 8 if on_gpu else 4)
     if not isinstance(threads, int) or not 1 <= threads <= 64:
         raise ValueError(f"fs connector: io_threads must be an integer in [1, 64], got {threads!r}")
     cap = opts.get("max_bytes")
     if cap is not None and (not isinstance(cap, int) or cap <= 0):
         raise ValueError(f"fs connector: max_bytes must be a positive integer, got {cap!r}")
+    tier = opts.get("host_tier_bytes", DEFAULT_TIER_BYTES_GPU if on_gpu else 0)
+    if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
+        raise ValueError(f"fs connector: host_tier_bytes must be an integer >= 0, got {tier!r}")
     root = Path(opts["root"]).expanduser()
     try:
         pf.ensure_pool_dirs(root)
     except OSError as e:
         raise ValueError(f"fs connector: root (kv_pool) {str(root)!r} cannot be used as a pool "
                          f"directory: {_why_unusable(root, e)}") from None
-    return FsPoolOptions(root, mode == "async", threads, cap)
+    return FsPoolOptions(root, mode == "async", threads, cap, tier)
 
 
 def _why_unusable(root: Path, e: OSError) -> str:
@@ -223,9 +242,11 @@ class FsPoolWorker(KvConnectorWorker):
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         super().__init__(config, ctx)
-        opts = open_pool(config)
+        opts = open_pool(config, ctx.device)
         self.root, self.is_async, self.max_bytes = opts.root, opts.is_async, opts.max_bytes
+        self._tier_bytes = opts.host_tier_bytes
         self._root_str = str(self.root)
+        self._dirs = pf.BlockDirs(self.root)  # blocks/<xx> opened once, not per block
         # refresh a loaded file's mtime (LRU) at most once a minute: a metadata write per
         # load would cost more than the load
         self._touch_after = None if self.max_bytes is None else TOUCH_INTERVAL_SECONDS
@@ -240,10 +261,11 @@ class FsPoolWorker(KvConnectorWorker):
         self._bad_block: dict[str, int] = {}  # rid -> first failed block index (loads pending)
         self._failed: dict[str, int] = {}  # failures of loads reported finished
         self._bytes_since_trim = 0
-        self._local = threading.local()
         self._stats = dict(bytes_loaded=0, bytes_saved=0, load_seconds=0.0, save_seconds=0.0,
                            corrupt_blocks=0, missing_blocks=0, save_failures=0,
                            blocks_loaded=0, blocks_saved=0)
+        self.tier: HostTier | None = None
+        self._mover: PagedMover | None = None
 
     def register_kv_caches(self, kv_caches: KVCacheRegistration) -> None:
         self.kv = kv_caches.tensor
@@ -251,8 +273,21 @@ class FsPoolWorker(KvConnectorWorker):
         self.block_shape = tuple(kv_caches.layout.block_shape)
         self.dtype = kv_caches.layout.dtype
         self.on_cpu = self.kv.device.type == "cpu"
-        # byte views of every block, made once (CPU: loads read straight into block memory)
-        self._block_bytes = [_bytes_of(self.kv[i]) for i in range(len(self.kv))] if self.on_cpu else []
+        nbytes = kv_caches.layout.block_nbytes
+        # on a GPU every copy is staged in pages: enough for all threads at once
+        num_pages, per_page = tier_shape(self._tier_bytes, nbytes,
+                                         0 if self.on_cpu else 4 * (self._num_threads + 1))
+        if num_pages:
+            self.tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu)
+            self._mover = PagedMover(self.kv, self.tier)
+            # saves are finished on threads of their own (paged_io: why that cannot hang);
+            # few of them: each file costs some Python under the GIL, and many writer
+            # threads queueing for it delay the executing thread's launches (measured)
+            self._writers = ThreadPoolExecutor(max(1, self._num_threads // 4),
+                                               thread_name_prefix="shoal-fs-write")
+            self._block_bytes = []
+        else:  # byte views of every block, made once: loads read straight into block memory
+            self._block_bytes = [_bytes_of(self.kv[i]) for i in range(len(self.kv))]
 
     def start_load_kv(self) -> None:
         meta: FsPoolMeta | None = self.get_connector_meta()
@@ -263,6 +298,9 @@ class FsPoolWorker(KvConnectorWorker):
             # one task per I/O thread and request, not per block: per-task overhead is
             # paid under the GIL and would rival the copy itself
             step = -(-len(transfers) // self._num_threads)
+            if self._mover is not None:  # whole pages per task
+                per_page = self.tier.blocks_per_page
+                step = -(-step // per_page) * per_page
             for i in range(0, len(transfers), step):
                 group = transfers[i:i + step]
                 if self.is_async:
@@ -280,12 +318,27 @@ class FsPoolWorker(KvConnectorWorker):
         pass  # whole blocks are saved after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
+        """Start the step's saves; nothing here waits for a copy or a write."""
         meta: FsPoolMeta | None = self.get_connector_meta()
-        for t in meta.saves if meta else ():
-            block = self.kv[t.block_id]
-            if not self.on_cpu:
-                block = block.to("cpu")  # the copy completes before the next forward runs
-            self._saves.setdefault(t.request_id, []).append(self._io.submit(self._save_block, t, block))
+        if not meta or not meta.saves:
+            return
+        if self._mover is None:  # straight from the cache's memory
+            for t in meta.saves:
+                self._saves.setdefault(t.request_id, []).append(
+                    self._io.submit(self._save_block, t, _bytes_of(self.kv[t.block_id])))
+            return
+        by_request: dict[str, list[BlockTransfer]] = {}
+        for t in meta.saves:
+            by_request.setdefault(t.request_id, []).append(t)
+        per_page = self.tier.blocks_per_page
+        for rid, transfers in by_request.items():
+            for i in range(0, len(transfers), per_page):
+                group = transfers[i:i + per_page]
+                page, event = self._mover.begin_save([t.block_id for t in group])
+                self._saves.setdefault(rid, []).append(self._writers.submit(
+                    self._mover.finish_save, page, event,
+                    [shard_key(t.key, *self._shard) for t in group],
+                    lambda j, view, group=group: self._save_block(group[j], view)))
 
     def get_finished(self, saving_ids: list[str],
                      loading_ids: list[str]) -> tuple[set[str], set[str]]:
@@ -304,11 +357,15 @@ class FsPoolWorker(KvConnectorWorker):
 
     def abort(self, request_ids: list[str]) -> None:
         """Cancel the requests' queued I/O; wait for the I/O already running (a read or
-        write of one block file: bounded by the disk, not by the pool's other traffic)."""
+        write of one block file or page, and its copies: bounded by the disk, not by the
+        pool's other traffic). A paged save is never cancelled: its task is what lets go
+        of the page its copy is writing."""
         running = []
         for rid in request_ids:
-            for table in (self._loads, self._saves):
-                running += [f for f in table.pop(rid, ()) if not f.cancel()]
+            running += [f for f in self._loads.pop(rid, ()) if not f.cancel()]
+            saves = self._saves.pop(rid, ())
+            running += (list(saves) if self._mover is not None
+                        else [f for f in saves if not f.cancel()])
         wait(running)
         with self._lock:
             for rid in request_ids:
@@ -322,10 +379,15 @@ class FsPoolWorker(KvConnectorWorker):
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._stats)
+            s = dict(self._stats)
+        s["host_tier_hit_blocks"] = self.tier.num_hits if self.tier is not None else 0
+        return s
 
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
+        if self._mover is not None:
+            self._writers.shutdown(wait=True)
+        self._dirs.close()
         if self.max_bytes is not None:
             # while running, the pool may pass max_bytes by what is written between trims
             # (a tenth of it) plus saves in flight; at the end it holds at most max_bytes
@@ -334,41 +396,46 @@ class FsPoolWorker(KvConnectorWorker):
     # -- I/O threads -------------------------------------------------------------------
 
     def _load_blocks(self, transfers: list[BlockTransfer]) -> None:
-        for t in transfers:
-            self._load_block(t)
-
-    def _load_block(self, t: BlockTransfer) -> None:
         start = time.perf_counter()
-        if self.on_cpu:
-            dest = self._block_bytes[t.block_id]
-        else:
-            staging = self._staging()
-            dest = _bytes_of(staging)
+        if self._mover is None:
+            ok = sum(self._read_block(t, self._block_bytes[t.block_id]) for t in transfers)
+        else:  # blocks not read came from the tier
+            failed = []
+
+            def read(i: int, dest: memoryview) -> bool:
+                if self._read_block(transfers[i], dest):
+                    return True
+                failed.append(i)
+                return False
+            self._mover.load([shard_key(t.key, *self._shard) for t in transfers],
+                             [t.block_id for t in transfers], read)
+            ok = len(transfers) - len(failed)
+        with self._lock:
+            self._stats["bytes_loaded"] += ok * self.layout.block_nbytes
+            self._stats["blocks_loaded"] += ok
+            self._stats["load_seconds"] += time.perf_counter() - start
+
+    def _read_block(self, t: BlockTransfer, dest: memoryview) -> bool:
+        """Read and verify block `t`'s file into `dest`; False (failure recorded, a corrupt
+        file set aside) if it is missing, unreadable or fails verification."""
         key = shard_key(t.key, *self._shard)
         path = pf.block_path_str(self._root_str, key)
         if path in UNUSABLE_FILES:  # corrupt, and still there: never read again
             self._record_failure(t, "missing_blocks")
-            return
+            return False
         try:
             pf.read_block_into(self.root, self.namespace, key, dest, self.block_shape,
-                               self.dtype, touch_after=self._touch_after)
-            if not self.on_cpu:
-                self.kv[t.block_id].copy_(staging)
+                               self.dtype, touch_after=self._touch_after, dirs=self._dirs)
+            return True
         except pf.BlockMissing:
             self._record_failure(t, "missing_blocks")
-            return
         except pf.CorruptBlock as e:
             self._set_aside(key, path, e)
             self._record_failure(t, "corrupt_blocks")
-            return
         except OSError as e:
             log.warning("pool block %s could not be read: %s", key.hex(), e)
             self._record_failure(t, "missing_blocks")
-            return
-        with self._lock:
-            self._stats["bytes_loaded"] += dest.nbytes
-            self._stats["blocks_loaded"] += 1
-            self._stats["load_seconds"] += time.perf_counter() - start
+        return False
 
     def _set_aside(self, key: bytes, path: str, error: pf.CorruptBlock) -> None:
         """Quarantine a corrupt file; one that cannot be moved (a read-only pool, quarantine/
@@ -396,18 +463,19 @@ class FsPoolWorker(KvConnectorWorker):
             prev = self._bad_block.get(t.request_id)
             self._bad_block[t.request_id] = t.block_index if prev is None else min(prev, t.block_index)
 
-    def _save_block(self, t: BlockTransfer, block: torch.Tensor) -> None:
+    def _save_block(self, t: BlockTransfer, payload: memoryview) -> bool:
+        """Publish one block from `payload`; True if the pool has it now."""
         start = time.perf_counter()
         key = shard_key(t.key, *self._shard)
         try:
-            written = pf.write_block(self.root, self.namespace, key, _bytes_of(block),
-                                     self.block_shape, self.dtype)
+            written = pf.write_block(self.root, self.namespace, key, payload,
+                                     self.block_shape, self.dtype, self._dirs)
         except OSError as e:
             log.warning("pool save of block %s failed: %s", key.hex(), e)
             with self._lock:
                 self._stats["save_failures"] += 1
-            return
-        nbytes = block.numel() * block.element_size()
+            return False
+        nbytes = payload.nbytes
         with self._lock:
             self._stats["save_seconds"] += time.perf_counter() - start
             if written:
@@ -419,13 +487,7 @@ class FsPoolWorker(KvConnectorWorker):
                 self._bytes_since_trim = 0
         if trim:
             self._trim()
-
-    def _staging(self) -> torch.Tensor:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = torch.empty(self.block_shape, dtype=self.dtype, pin_memory=True)
-            self._local.buf = buf
-        return buf
+        return True
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -9,7 +9,9 @@ key (32 B), crc32 of everything before it. Nothing is unpickled; every field is 
 against what the reader expects, and any mismatch is a miss (never loaded as KV).
 
 Checksum choice (measured here, 47 MB buffer): xxh3-64 26.8 GB/s, xxh64 18.4, crc32 6.2,
-blake2b 1.3. At the ~6 GB/s of a page-cache read, xxh3 costs ~20% of the read time.
+blake2b 1.3. At the ~6 GB/s of a page-cache read, xxh3 costs ~20% of the read time. It is
+computed by xxhash's own C function called through ctypes, which releases the GIL, so the
+I/O threads verify blocks in parallel (the `xxhash` module's functions hold the GIL).
 
 Nothing inside the pool can redirect Shoal: below the root (which the user names, and may
 be a link), every directory is opened with O_NOFOLLOW | O_DIRECTORY and every file
@@ -20,17 +22,20 @@ read, written, moved or deleted.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
 import stat
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import xxhash
 
@@ -78,8 +83,29 @@ class BlockHeader:
     key: bytes
 
 
+def _native_xxh3():
+    """XXH3_64bits from the xxhash extension itself (same code, same value), called through
+    ctypes so the GIL is released; None if the symbol is not there or disagrees."""
+    try:
+        import xxhash._xxhash as ext
+        fn = ctypes.CDLL(ext.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+    probe = np.arange(1 << 12, dtype=np.uint8)
+    return fn if fn(probe.ctypes.data, probe.nbytes) == xxhash.xxh3_64_intdigest(probe) else None
+
+
+_XXH3 = _native_xxh3()
+_NATIVE_MIN_BYTES = 1 << 14  # below this the call's overhead outweighs the GIL it frees
+
+
 def checksum(payload) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+    """xxh3-64 of a bytes-like object (bytes, memoryview, a contiguous buffer)."""
+    arr = np.frombuffer(payload, dtype=np.uint8)
+    if _XXH3 is None or arr.nbytes < _NATIVE_MIN_BYTES:
+        return xxhash.xxh3_64_intdigest(arr)
+    return _XXH3(arr.ctypes.data, arr.nbytes)
 
 
 def checksum_of_file(fd: int, offset: int, length: int) -> int:
@@ -226,25 +252,76 @@ def is_block_file(path: str) -> bool:
 
 # -- blocks ------------------------------------------------------------------------------
 
+class BlockDirs:
+    """One process's open fds of root/blocks/<xx>, each opened once the way open_pool_dir
+    opens it (never through a link) and kept: a block read or write then opens no
+    directory. An fd always names the real directory it was opened on, so a directory
+    replaced later by a link is still never followed; one removed or replaced is looked up
+    afresh when a file is not found through it (`retire`). Thread-safe."""
+
+    def __init__(self, root: Path | str):
+        self.root = root
+        self._fds: dict[str, int] = {}
+        self._retired: list[int] = []  # closed at close(): another thread may be using one
+        self._lock = threading.Lock()
+
+    def fd(self, sub: str, create: bool = False) -> int:
+        fd = self._fds.get(sub)
+        if fd is not None:
+            return fd
+        fd = open_pool_dir(self.root, "blocks", sub, create=create)
+        with self._lock:
+            if sub in self._fds:  # another thread opened it meanwhile
+                self._retired.append(fd)
+            else:
+                self._fds[sub] = fd
+            return self._fds[sub]
+
+    def retire(self, sub: str, fd: int) -> None:
+        with self._lock:
+            if self._fds.get(sub) == fd:
+                del self._fds[sub]
+                self._retired.append(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in [*self._fds.values(), *self._retired]:
+                os.close(fd)
+            self._fds, self._retired = {}, []
+
+
 def write_block(root: Path, namespace: bytes, key: bytes, payload: memoryview,
-                shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+                shape: tuple[int, ...], dtype: torch.dtype, dirs: BlockDirs | None = None) -> bool:
     """Publish one block atomically; False if the key already exists (never overwritten).
     OSError (the temp file removed) if it cannot: also NotADirectoryError if the block's
-    directory is a link, NotRegularFile if something else occupies the block's name."""
+    directory is a link, NotRegularFile if something else occupies the block's name.
+    `dirs`: directory fds to reuse (else the directories are opened for this write)."""
     h = key.hex()
-    name = f"{h}.kv"
-    dir_fd = open_pool_dir(root, "blocks", h[:2], create=True)
-    try:
+    if dirs is None:
+        dir_fd = open_pool_dir(root, "blocks", h[:2], create=True)
         try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            header = encode_header(namespace, key, shape, dtype, payload.nbytes, checksum(payload))
-            return _publish(dir_fd, name, header, payload)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFile(errno.EEXIST, f"a {entry_kind(st.st_mode)} occupies {name}")
-        return False
-    finally:
-        os.close(dir_fd)
+            return _write_in(dir_fd, namespace, key, payload, shape, dtype)
+        finally:
+            os.close(dir_fd)
+    dir_fd = dirs.fd(h[:2], create=True)
+    try:
+        return _write_in(dir_fd, namespace, key, payload, shape, dtype)
+    except FileNotFoundError:  # the directory was removed since it was opened: once more
+        dirs.retire(h[:2], dir_fd)
+        return _write_in(dirs.fd(h[:2], create=True), namespace, key, payload, shape, dtype)
+
+
+def _write_in(dir_fd: int, namespace: bytes, key: bytes, payload: memoryview,
+              shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    name = f"{key.hex()}.kv"
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        header = encode_header(namespace, key, shape, dtype, payload.nbytes, checksum(payload))
+        return _publish(dir_fd, name, header, payload)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EEXIST, f"a {entry_kind(st.st_mode)} occupies {name}")
+    return False
 
 
 def _publish(dir_fd: int, name: str, header: bytes, payload: memoryview) -> bool:
@@ -269,14 +346,15 @@ def _publish(dir_fd: int, name: str, header: bytes, payload: memoryview) -> bool
 
 def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
                     shape: tuple[int, ...], dtype: torch.dtype,
-                    touch_after: float | None = None) -> str:
+                    touch_after: float | None = None, dirs: BlockDirs | None = None) -> str:
     """Read a block's payload straight into `dest` and verify it. Raises BlockMissing (also
     for a link or special file: never followed or read) or CorruptBlock (then `dest` holds
     garbage the caller must not use). touch_after: refresh the file's mtime (LRU) if it is
-    older than this many seconds. Returns the path. Past the two directory opens: open,
-    fstat, one preadv for header and payload together, close."""
+    older than this many seconds. `dirs`: directory fds to reuse. Returns the path. Past
+    the directory opens (none with `dirs`): open, fstat, one preadv for header and payload
+    together, close."""
     h = key.hex()
-    fd, st = _open_block(root, h)
+    fd, st = _open_block(root, h) if dirs is None else _open_block_in(dirs, h)
     try:
         size = st.st_size
         header_buf = bytearray(HEADER_SIZE)
@@ -318,6 +396,23 @@ def _open_block(root: Path, h: str) -> tuple[int, os.stat_result]:
         raise BlockMissing(f"{h}: {e}") from None
     finally:
         os.close(dir_fd)
+
+
+def _open_block_in(dirs: BlockDirs, h: str) -> tuple[int, os.stat_result]:
+    for attempt in range(2):
+        try:
+            dir_fd = dirs.fd(h[:2])
+        except (FileNotFoundError, NotADirectoryError) as e:  # a link: never followed
+            raise BlockMissing(f"{h}: {e}") from None
+        try:
+            return open_regular_file(f"{h}.kv", dir_fd)
+        except NotRegularFile as e:
+            raise BlockMissing(f"{h}: {e}") from None
+        except FileNotFoundError as e:
+            if attempt:
+                raise BlockMissing(f"{h}: {e}") from None
+            dirs.retire(h[:2], dir_fd)  # the directory may be a new one now: look again
+    raise AssertionError("unreachable")
 
 
 def _touch(fd: int) -> None:

@@ -1,0 +1,40 @@
+"""Page-cache read rate of block files by thread count: raw readinto vs the pool read path vs
+the checksum alone (run on a GPU machine to size the load path).
+
+    PYTHONPATH=$PWD python3 scripts/io_probe.py NUM_FILES FILE_BYTES [DIR]
+"""
+import os, sys, time, tempfile, torch, numpy as np
+from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from shoal.connectors.fs import format as pf
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+BS = int(sys.argv[2]) if len(sys.argv) > 2 else 512 << 10
+root = Path(tempfile.mkdtemp(prefix="probe-", dir=sys.argv[3] if len(sys.argv) > 3 else None))
+pf.ensure_pool_dirs(root)
+ns = os.urandom(32)
+shape = (BS // 2,)
+payload = np.random.randint(0, 255, BS, dtype=np.uint8)
+keys = [os.urandom(32) for _ in range(N)]
+for k in keys:
+    pf.write_block(root, ns, k, memoryview(payload), shape, torch.bfloat16)
+buf = np.empty((N, BS), np.uint8)
+paths = [pf.block_path_str(str(root), k) for k in keys]
+def raw(i):
+    with open(paths[i], "rb", buffering=0) as f:
+        f.seek(128); f.readinto(memoryview(buf[i]))
+def ours(i):
+    pf.read_block_into(root, ns, keys[i], memoryview(buf[i]), shape, torch.bfloat16)
+dirs = pf.BlockDirs(root)
+def ours_dirs(i):
+    pf.read_block_into(root, ns, keys[i], memoryview(buf[i]), shape, torch.bfloat16, dirs=dirs)
+def hashonly(i):
+    pf.checksum(memoryview(buf[i]))
+for name, fn in [("raw", raw), ("ours", ours), ("dirs", ours_dirs), ("hash", hashonly)]:
+    for threads in (1, 2, 4, 8, 16):
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(fn, range(N)))
+            t = time.perf_counter()
+            for _ in range(3):
+                list(ex.map(fn, range(N)))
+            dt = (time.perf_counter() - t) / 3
+        print(f"{name:5s} {threads:2d} threads: {N*BS/dt/1e9:6.2f} GB/s  {dt/N*1e6:6.1f} us/file", flush=True)

@@ -1,0 +1,207 @@
+"""The host tier and the paged path of the fs worker (pages, copies, holds), on the CPU and,
+when there is one, on a GPU: bytes in the KV cache compared with what was saved."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.connectors import ConnectorConfig, ConnectorContext, KVCacheRegistration
+from shoal.connectors.fs import format as pf
+from shoal.connectors.fs.connector import BlockTransfer, FsPoolMeta, FsPoolWorker
+from shoal.connectors.fs.host_tier import HostTier, tier_shape
+from shoal.kv.kv_cache import KVCacheLayout
+from tests.conftest import random_prompts
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+# -- the tier itself ---------------------------------------------------------------------
+
+def test_pages_are_reused_least_recently_used_first_and_never_while_held():
+    tier = HostTier(block_nbytes=8, num_pages=3, blocks_per_page=2, pinned=False)
+    pages = []
+    for key in (b"a", b"b", b"c"):
+        page = tier.take_page()
+        tier.publish(page, 0, key)
+        tier.release(page)
+        pages.append(page)
+    assert sorted(pages) == [0, 1, 2]
+    assert tier.find([b"a"]) == [(pages[0], 0)]  # held now, and the most recent on release
+    tier.release(pages[0])
+    assert tier.take_page() == pages[1]  # "b" was the least recently used
+    assert tier.find([b"b", b"c", b"a"]) == [None, (pages[2], 0), (pages[0], 0)]
+    assert tier.take_page(wait=False) is None  # every page held: c, a and the one taken
+    assert tier.num_held_pages == 3
+    for page in (pages[2], pages[0], pages[1]):
+        tier.release(page)
+    tier.check_integrity()
+    assert tier.num_held_pages == 0 and tier.num_hits == 3
+
+
+def test_take_page_waits_until_a_page_is_released():
+    tier = HostTier(block_nbytes=8, num_pages=1, blocks_per_page=1, pinned=False)
+    held = tier.take_page()
+    got, started = [], threading.Event()
+
+    def take():
+        started.set()
+        got.append(tier.take_page())
+    t = threading.Thread(target=take)
+    t.start()
+    started.wait()
+    t.join(timeout=0.3)
+    assert t.is_alive() and not got  # still waiting: the only page is held
+    tier.release(held)
+    t.join(timeout=30)
+    assert got == [held]
+
+
+def test_tier_shape():
+    assert tier_shape(0, 1 << 20) == (0, 16)  # no tier
+    assert tier_shape(0, 1 << 20, min_pages=36) == (36, 16)  # staging only (a GPU)
+    assert tier_shape(2 << 30, 1 << 20) == (128, 16)
+    assert tier_shape(16 << 20, 1 << 20) == (8, 2)  # small: smaller pages, not fewer
+    assert tier_shape(4 << 20, 1 << 20) == (4, 1)
+    assert tier_shape(1 << 19, 1 << 20) == (0, 1)  # not one block: no tier
+
+
+# -- the worker's paged path --------------------------------------------------------------
+
+LAYOUT = dict(num_layers=4, block_size=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+
+
+def make_worker(root, device, tier_bytes, num_blocks=64, threads=3):
+    layout = KVCacheLayout(num_blocks, **LAYOUT)
+    kv = torch.randn((num_blocks, *layout.block_shape), device=device)
+    cfg = ConnectorConfig(name="fs", options={"root": str(root), "io_threads": threads,
+                                              "host_tier_bytes": tier_bytes})
+    worker = FsPoolWorker(cfg, ConnectorContext(0, 1, 0, 1, 0, 1, 4, "ab" * 32, device))
+    worker.register_kv_caches(KVCacheRegistration(kv, layout))
+    return worker, kv
+
+
+def transfer(worker, meta: FsPoolMeta, rid: str, saving: bool, timeout: float = 60) -> None:
+    """Run one step's transfers and poll until the request's are reported done."""
+    worker.bind_connector_meta(meta)
+    worker.start_load_kv()
+    worker.wait_for_save()
+    worker.clear_connector_meta()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        saved, loaded = worker.get_finished([rid] if saving else [], [] if saving else [rid])
+        if saved or loaded:
+            return
+    raise AssertionError(f"{rid}: not done within {timeout} s")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saves_and_loads_through_the_tier_move_the_exact_bytes(tmp_path, device):
+    n = 24
+    worker, kv = make_worker(tmp_path, device, tier_bytes=64 << 20)
+    keys = [os.urandom(32) for _ in range(n)]
+    original = kv[:n].clone()
+    transfer(worker, FsPoolMeta(saves=[BlockTransfer("s", i, i, k) for i, k in enumerate(keys)]),
+             "s", saving=True)
+    assert worker.stats()["blocks_saved"] == n and len(list(pf.iter_block_files(tmp_path))) == n
+    # loads into other blocks come from the tier: no file is read
+    transfer(worker, FsPoolMeta(loads=[BlockTransfer("l", i, 32 + i, k) for i, k in enumerate(keys)]),
+             "l", saving=False)
+    assert torch.equal(kv[32:32 + n], original)
+    stats = worker.stats()
+    assert stats["host_tier_hit_blocks"] == n and stats["blocks_loaded"] == n
+    worker.tier.check_integrity()
+    assert worker.tier.num_held_pages == 0
+    worker.shutdown()
+
+    # a fresh worker (an empty tier) reads the files; a flipped byte fails that block only
+    path = next(p for p in pf.iter_block_files(tmp_path) if p.stem == keys[5].hex())
+    data = bytearray(path.read_bytes())
+    data[pf.HEADER_SIZE + 77] ^= 0x10
+    path.write_bytes(bytes(data))
+    fresh, kv2 = make_worker(tmp_path, device, tier_bytes=64 << 20)
+    before = kv2[5].clone()
+    transfer(fresh, FsPoolMeta(loads=[BlockTransfer("l", i, i, k) for i, k in enumerate(keys)]),
+             "l", saving=False)
+    assert fresh.get_failed_loads() == {"l": 5}
+    good = [i for i in range(n) if i != 5]
+    assert torch.equal(kv2[good], original[good])
+    assert torch.equal(kv2[5], before)  # the corrupt block's bytes never reached the cache
+    stats = fresh.stats()
+    assert stats["corrupt_blocks"] == 1 and stats["host_tier_hit_blocks"] == 0
+    fresh.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tier_smaller_than_the_transfer_still_moves_every_block(tmp_path, device):
+    n = 48
+    # a tier of 8 blocks (on a GPU the staging minimum adds pages: still far below 48)
+    block_nbytes = KVCacheLayout(1, **LAYOUT).block_nbytes
+    worker, kv = make_worker(tmp_path, device, tier_bytes=8 * block_nbytes, num_blocks=2 * n)
+    keys = [os.urandom(32) for _ in range(n)]
+    original = kv[:n].clone()
+    transfer(worker, FsPoolMeta(saves=[BlockTransfer("s", i, i, k) for i, k in enumerate(keys)]),
+             "s", saving=True)
+    transfer(worker, FsPoolMeta(loads=[BlockTransfer("l", i, n + i, k) for i, k in enumerate(keys)]),
+             "l", saving=False)
+    assert torch.equal(kv[n:], original)
+    assert worker.stats()["host_tier_hit_blocks"] < n  # some came from files
+    assert worker.tier.num_held_pages == 0
+    worker.tier.check_integrity()
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_abort_returns_only_after_the_copies_of_running_loads_end(tmp_path, device):
+    n = 48
+    worker, kv = make_worker(tmp_path, device, tier_bytes=0 if device == "cuda" else 1 << 20,
+                             num_blocks=2 * n, threads=2)
+    keys = [os.urandom(32) for _ in range(n)]
+    transfer(worker, FsPoolMeta(saves=[BlockTransfer("s", i, i, k) for i, k in enumerate(keys)]),
+             "s", saving=True)
+    worker.shutdown()
+    fresh, kv2 = make_worker(tmp_path, device, tier_bytes=0 if device == "cuda" else 1 << 20,
+                             num_blocks=2 * n, threads=2)
+    fresh.bind_connector_meta(FsPoolMeta(loads=[BlockTransfer("l", i, i, k)
+                                                for i, k in enumerate(keys)]))
+    fresh.start_load_kv()
+    fresh.clear_connector_meta()
+    fresh.abort(["l"])  # at once: tasks not started are dropped, running ones waited for
+    assert fresh.tier.num_held_pages == 0  # no copy still holds a page
+    fresh.tier.check_integrity()
+    assert fresh.get_finished([], ["l"]) == (set(), set())  # forgotten
+    fresh.shutdown()
+
+
+# -- the engine with a tier on the CPU ----------------------------------------------------
+
+KW = dict(block_size=4, num_kv_blocks=128, enable_prefix_caching=False)
+SP = SamplingParams(max_tokens=8)
+
+
+@pytest.mark.parametrize("tier_blocks", [64, 6])  # roomy; fewer blocks than one request's
+def test_engine_repeat_hits_come_from_the_tier(tiny_model, tmp_path, tier_blocks):
+    prompts = random_prompts(512, [41, 37], seed=3)
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SP)]
+        block_nbytes = llm.engine.kv_cache.layout.block_nbytes
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path),
+                                              "host_tier_bytes": tier_blocks * block_nbytes})
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        first = [o.token_ids for o in llm.generate(prompts, SP)]  # computed, saved via pages
+        again = llm.generate(prompts, SP)  # no local prefix cache: from the pool
+        llm.check_integrity()
+        stats = llm.stats()
+    assert first == expected and [o.token_ids for o in again] == expected
+    assert [o.num_connector_tokens for o in again] == [40, 36]
+    assert stats["blocks_loaded"] == 19
+    if tier_blocks == 64:
+        assert stats["host_tier_hit_blocks"] == 19  # every block loaded came from memory
+    else:  # at most 6 from memory, the rest read from their files
+        assert stats["host_tier_hit_blocks"] <= 6
