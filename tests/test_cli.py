@@ -198,3 +198,14 @@ def test_bench_pool_io_runs_and_reports_ratios():
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["device"] == "cpu" and result["num_blocks"] == 8 and result["threads"] == 2
     assert result["load_gbps"] > 0 and result["save_gbps"] > 0 and result["load_over_raw"] > 0
+
+
+def test_bench_ttft_on_a_random_checkpoint():
+    """`shoal bench ttft --model random:<shape>`: random token prompts (no tokenizer), the
+    pool loads every full block but the last token's."""
+    r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
+              "--rounds", "1")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["prompt_tokens"] == 64 and result["tokens_loaded"] == 48
+    assert result["bytes_loaded"] > 0 and result["ttft_pool_s"] > 0
