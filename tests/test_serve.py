@@ -217,6 +217,7 @@ def test_chat_and_completions_equal_the_library(server, smollm2):
 
 def test_streaming_equals_non_streaming_with_usage_chunk(server):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 20, "temperature": 0}
+    server.post("/v1/chat/completions", body)  # both below then reuse the same cached prefix
     whole = server.post("/v1/chat/completions", body).json()
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
@@ -37,8 +38,10 @@ class RequestHandle:
         self._driver = driver
         self.request_id = request_id
         self._future: Future = Future()
-        self._tokens: queue.Queue = queue.Queue()  # (token_ids, logprobs) batches, then _END
-        self._lock = threading.Lock()  # the queue vs a subscriber taking over
+        # (token_ids, logprobs) batches, then _END; a deque and a condition rather than a
+        # queue.Queue: the driver pushes to every live request each step
+        self._tokens: deque = deque()
+        self._lock = threading.Condition(threading.Lock())  # the batches, and a subscriber taking over
         self._callback: Callable[[list[int] | None, list | None], None] | None = None
 
     def cancel(self) -> None:
@@ -57,7 +60,10 @@ class RequestHandle:
     def stream(self) -> Iterator[int]:
         """Generated token ids as they are produced (each once), ending with the request."""
         while True:
-            item = self._tokens.get()
+            with self._lock:
+                while not self._tokens:
+                    self._lock.wait()
+                item = self._tokens.popleft()
             if item is _END:
                 self._future.result()  # raise the engine's error, if that is how it ended
                 return
@@ -72,11 +78,8 @@ class RequestHandle:
         callback must be quick and thread-safe (e.g. `loop.call_soon_threadsafe`). An
         exception it raises is logged and never reaches the engine."""
         with self._lock:
-            while True:
-                try:
-                    item = self._tokens.get_nowait()
-                except queue.Empty:
-                    break
+            while self._tokens:
+                item = self._tokens.popleft()
                 _call(callback, *((None, None) if item is _END else item))
             self._callback = callback
 
@@ -85,14 +88,16 @@ class RequestHandle:
             if self._callback is not None:
                 _call(self._callback, token_ids, logprobs)
             else:
-                self._tokens.put((token_ids, logprobs))
+                self._tokens.append((token_ids, logprobs))
+                self._lock.notify()
 
     def _end(self) -> None:
         with self._lock:
             if self._callback is not None:
                 _call(self._callback, None, None)
             else:
-                self._tokens.put(_END)
+                self._tokens.append(_END)
+                self._lock.notify()
 
     def _finish(self, output: RequestOutput) -> None:
         self._future.set_result(output)  # first: a subscriber reads result() when told
