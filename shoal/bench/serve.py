@@ -211,30 +211,35 @@ def run_library(model: str, jobs: list[Job], clients: int, max_tokens: int,
 
 
 class ServerProcess:
-    """`python -m shoal serve` on a free port, ready once /health answers."""
+    """`python -m shoal serve` on a free port, ready once it prints its ready line (its
+    stderr is passed through to ours)."""
 
     def __init__(self, model: str, args: list[str]):
-        import httpx
+        from shoal.serving.http import READY_MESSAGE
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "shoal", "serve", "--model", model,
-                                      "--port", str(port), *args])
-        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"shoal serve exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
+                                      "--port", str(port), *args],
+                                     stderr=subprocess.PIPE, text=True)
+        ready, seen = threading.Event(), []
+
+        def pass_through() -> None:
+            for line in self.proc.stderr:
+                sys.stderr.write(line)
+                if line.startswith(READY_MESSAGE):
+                    seen.append(line)
+                    ready.set()
+            ready.set()  # the server ended: stop waiting
+        threading.Thread(target=pass_through, daemon=True).start()
+        if not ready.wait(READY_TIMEOUT_SECONDS) or not seen:
+            code = self.proc.poll()
+            if code is None:
                 self.stop()
                 raise RuntimeError("shoal serve did not become ready")
-            time.sleep(0.2)
+            raise RuntimeError(f"shoal serve exited with {code}")
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
