@@ -86,11 +86,12 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Known token ids of positions [start, end) (positions past num_tokens are omitted)."""
-        n = self.num_prompt_tokens
+        n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids[start:] if start < n else []) + \
-            self.output_token_ids[max(start - n, 0):end - n]
+        if start >= n:  # a decode step's slice: outputs only
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
 @dataclass(frozen=True)

@@ -251,12 +251,8 @@ class Scheduler:
 
     def _make_chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
-        num_prompt = len(req.prompt_token_ids)
-        if start >= num_prompt:  # a decode: req.token_ids(start, end), the short way
-            token_ids = req.output_token_ids[start - num_prompt:end - num_prompt]
-        else:
-            token_ids = req.token_ids(start, end)
-        is_sampling = end == num_prompt + len(req.output_token_ids) + req.num_inflight_tokens
+        token_ids = req.token_ids(start, end)
+        is_sampling = end == req.num_known_tokens
         req.num_computed_tokens = end
         if is_sampling:
             req.num_inflight_tokens += 1

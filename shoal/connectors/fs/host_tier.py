@@ -54,11 +54,6 @@ class HostTier:
         self._where: dict[bytes, tuple[int, int]] = {}  # key -> (page, slot)
         self._cond = threading.Condition()
         self.num_hits = 0
-        self.num_evicted_pages = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.slab.numel()
 
     def rows(self, page: int, first: int = 0, count: int | None = None) -> torch.Tensor:
         """Slots [first, first + count) of a page: a [count, block_nbytes] uint8 view."""
@@ -76,8 +71,6 @@ class HostTier:
                 self._cond.wait()
             page, _ = self._idle.popitem(last=False)
             keys = self._keys[page]
-            if any(k is not None for k in keys):
-                self.num_evicted_pages += 1
             for slot, key in enumerate(keys):
                 if key is not None and self._where.get(key) == (page, slot):
                     del self._where[key]

@@ -73,9 +73,7 @@ class PagedMover:
 
     def _load_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque):
         tier = self.tier
-        where = tier.find(keys)
-        pages = [w[0] for w in where if w is not None]  # one hold per hit
-        misses = [i for i, w in enumerate(where) if w is None]
+        where, pages, misses = self._find(keys)
         if misses:
             page = tier.take_page(wait=False)
             if page is None:  # every page held: let go of all of ours, then wait for one
@@ -84,9 +82,7 @@ class PagedMover:
                 while in_flight:
                     self._finish(*in_flight.popleft())
                 page = tier.take_page()
-                where = tier.find(keys)
-                pages = [w[0] for w in where if w is not None]
-                misses = [i for i, w in enumerate(where) if w is None]
+                where, pages, misses = self._find(keys)
             pages.append(page)
             slots = tier.rows(page, 0, len(misses)).numpy()
             for slot, i in enumerate(misses):
@@ -95,6 +91,13 @@ class PagedMover:
                     where[i] = (page, slot)
         rows = [(w, b) for w, b in zip(where, block_ids) if w is not None]
         return self._copy_in(rows), pages
+
+    def _find(self, keys: list[bytes]):
+        """The tier's slots of `keys` (None: not there), the pages held for the hits (one
+        hold each), and the indices of the misses."""
+        where = self.tier.find(keys)
+        return (where, [w[0] for w in where if w is not None],
+                [i for i, w in enumerate(where) if w is None])
 
     def _copy_in(self, rows: list[tuple[tuple[int, int], int]]) -> torch.cuda.Event | None:
         """Copy tier slots into KV blocks: [((page, slot), block id)]."""
