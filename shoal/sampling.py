@@ -132,14 +132,19 @@ class Sampler:
     """Picks one token per row of logits, on the logits' device, in one batch: greedy rows
     by argmax; the others by the Gumbel-max trick over their temperature-scaled, top-k and
     top-p filtered logits, with noise from `gumbel_noise`, so a seeded request draws the
-    same tokens whatever batch it lands in. One host transfer per step (the tokens)."""
+    same tokens whatever batch it lands in. No host sync: the tokens stay on the device
+    (`sample_on_device`) until the caller copies them."""
 
     def __init__(self) -> None:
         self._draws: dict[str, tuple[int, int]] = {}  # rid -> (seed, draws so far)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams]) -> list[int]:
-        # logits [N, vocab] float32
+        return self.sample_on_device(logits, request_ids, params).tolist()
+
+    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str],
+                         params: list[SamplingParams]) -> torch.Tensor:
+        """logits [N, vocab] float32 -> [N] int64 token ids on the logits' device."""
         tokens = logits.argmax(dim=-1)
         rows = [i for i, sp in enumerate(params) if not sp.is_greedy]
         if rows:
@@ -153,7 +158,7 @@ class Sampler:
             noise = gumbel_noise(torch.tensor(seeds, device=device),
                                  torch.tensor(draws, device=device), logits.shape[1])
             tokens[index] = (filtered.double() + noise).argmax(dim=-1)
-        return tokens.tolist()
+        return tokens
 
     def forget(self, request_id: str) -> None:
         self._draws.pop(request_id, None)

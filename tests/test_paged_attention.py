@@ -154,15 +154,15 @@ def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
             self.block_size = kv_cache.layout.block_size
             self.max_size, self.num_replays = max_batch_size, 0
             sizes = [s for s in cuda_graphs.BATCH_LADDER if s < max_batch_size] + [max_batch_size]
-            self.graphs = {s: cuda_graphs._Graph(s, width, torch.device("cpu"),
-                                                 kv_cache.scratch_block) for s in sizes}
+            cpu = torch.device("cpu")
+            self.graphs = {s: cuda_graphs._Graph(s, width, cpu, kv_cache.scratch_block)
+                           for s in sizes}
+            self.host = cuda_graphs.HostBuffers(self.graphs[max_batch_size].host_size(width), cpu)
 
-        def replay(self, batch, token_ids_of, layer_hooks=None):
-            n = len(batch.chunks)
-            g = self.graphs[next(s for s in sorted(self.graphs) if s >= n)]
-            g.fill(batch.chunks, token_ids_of, self.block_size)
+        def replay(self, batch, runner, layer_hooks=None):
+            g = self.prepare(batch, runner)
             self.num_replays += 1
-            return self._forward(g)[:n]
+            return self._forward(g)[:len(batch.chunks)]
 
     prompts = random_prompts(512, [3, 17, 9, 30, 1], seed=15)
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 6, 14)]

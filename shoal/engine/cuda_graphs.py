@@ -2,8 +2,8 @@
 
 `StepInputs`: a step's integer arrays (token ids, positions, KV slots, the paged kernels'
 tables) are written into one pinned host buffer and sent with one non-blocking copy; the
-model reads device views of it. (The buffer is rewritten only after the step's sampled
-tokens came back to the host, so the previous copy has finished by then.)
+model reads device views of it. Steps are launched before the previous one finished, so
+the host buffers alternate (`HostBuffers`): one is rewritten only once its last copy ran.
 
 `DecodeGraphs`: a step whose chunks are all one-token decodes (the steady state) replays
 a graph captured at start-up for the smallest batch size on a ladder that holds it. The
@@ -21,51 +21,82 @@ import torch
 
 from shoal.model.llama import AttentionMetadata, PagedInputs
 
+ALIGN = 16  # int32 elements: 64 bytes
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class HostBuffers:
+    """Two int32 host buffers (pinned for a GPU) used in turn for host-to-device copies:
+    `take()` returns the next one once the copy last sent from it has run; `sent()` marks
+    the copy from it just queued."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.size = size
+        self._buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
+                         for _ in range(2)]
+        self._events: list = [None, None]
+        self._turn = 0
+
+    def take(self) -> torch.Tensor:
+        self._turn ^= 1
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()
+        return self._buffers[self._turn]
+
+    def sent(self) -> None:
+        if self.cuda:
+            event = self._events[self._turn] = self._events[self._turn] or torch.cuda.Event()
+            event.record()
 
 
 class StepInputs:
     def __init__(self, device: torch.device):
         self.device = device
-        self._host = torch.empty(0, dtype=torch.int32)
+        self._host = HostBuffers(0, device)
         self._dev = torch.empty(0, dtype=torch.int32, device=device)
 
     def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Device int32 views of `arrays` (1-D or 2-D), sent in one copy."""
-        total = sum(a.size for a in arrays)
-        if total > self._host.numel():
-            size = max(total, 2 * self._host.numel(), 1 << 16)
-            self._host = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        """Device int32 views of `arrays` (1-D or 2-D), sent in one copy. Each view starts
+        on a 64-byte boundary: Triton specializes a kernel on its pointers' alignment, and a
+        view at a step-dependent offset would compile new variants mid-request."""
+        starts, total = [], 0
+        for a in arrays:
+            starts.append(total)
+            total += -(-a.size // ALIGN) * ALIGN
+        if total > self._host.size:
+            size = max(total, 2 * self._host.size, 1 << 16)
+            if self._host.cuda:  # the old buffers' last copies
+                torch.cuda.synchronize(self.device)
+            self._host = HostBuffers(size, self.device)
             self._dev = torch.empty(size, dtype=torch.int32, device=self.device)
-        host = self._host.numpy()
-        offset = 0
-        for a in arrays:
-            host[offset:offset + a.size] = a.reshape(-1)
-            offset += a.size
-        self._dev[:total].copy_(self._host[:total], non_blocking=True)
-        views, offset = [], 0
-        for a in arrays:
-            views.append(self._dev[offset:offset + a.size].view(a.shape))
-            offset += a.size
-        return views
+        pinned = self._host.take()
+        host = pinned.numpy()
+        for a, start in zip(arrays, starts):
+            host[start:start + a.size] = a.reshape(-1)
+        self._dev[:total].copy_(pinned[:total], non_blocking=True)
+        self._host.sent()
+        return [self._dev[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
 
 
 class _Graph:
     """One captured decode step for `size` rows: its input buffers and output logits."""
 
+    # host layout: ids | positions | slot blocks | slot offsets | context lens | placeholder
+    # rows | their sources (the vectors, `size` each), then a compact table
+    NUM_VECTORS = 7
+
     def __init__(self, size: int, width: int, device: torch.device, scratch_block: int):
         self.size = size
-        pinned = device.type == "cuda"
-        # ids | positions | slot blocks | slot offsets | context lens, then a compact table
-        self.host = torch.zeros(5 * size + size * width, dtype=torch.int32, pin_memory=pinned)
-        self.buffer = torch.zeros(5 * size, dtype=torch.int32, device=device)
-        self.ids, self.positions, self.slot_blocks, self.slot_offsets, self.lens = (
-            self.buffer[i * size:(i + 1) * size] for i in range(5))
+        self.buffer = torch.zeros(self.NUM_VECTORS * size, dtype=torch.int32, device=device)
+        (self.ids, self.positions, self.slot_blocks, self.slot_offsets, self.lens,
+         self.fill_rows, self.sources) = (self.buffer[i * size:(i + 1) * size]
+                                          for i in range(self.NUM_VECTORS))
+        self.slot_blocks.fill_(scratch_block)
         self.table = torch.zeros(size, width, dtype=torch.int32, device=device)
         self.staging = torch.zeros(size * width, dtype=torch.int32, device=device)
         self.scratch_block = scratch_block  # padded rows write it: no request owns it
-        self.host[2 * size:3 * size] = scratch_block
-        self.buffer.copy_(self.host[:5 * size])
         rows = torch.arange(size, dtype=torch.int32, device=device)
         self.meta = AttentionMetadata(
             self.slot_blocks, self.slot_offsets, None, None, None, 0, [],
@@ -73,30 +104,42 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def fill(self, chunks, token_ids_of, block_size: int) -> None:
-        """Write a decode batch (len(chunks) <= size) into the graph's input buffers."""
+    def host_size(self, width: int) -> int:
+        return self.NUM_VECTORS * self.size + self.size * width
+
+    def fill(self, chunks, pinned: torch.Tensor, block_size: int, placeholders) -> int:
+        """Write a decode batch (len(chunks) <= size) through `pinned` (a host buffer of
+        host_size) into the graph's input buffers. Returns the number of placeholder rows
+        (`fill_rows[:k]`, to be filled from `sources[:k]` on the device)."""
         n, size, bs = len(chunks), self.size, block_size
         cols = max(c.start // bs + 1 for c in chunks)  # table columns any row reads
-        host = self.host.numpy()
-        ids, pos, blocks, offsets, lens = (host[i * size:i * size + n] for i in range(5))
-        table = host[5 * size:5 * size + n * cols].reshape(n, cols)
-        pos[:] = [c.start for c in chunks]
-        ids[:] = [token_ids_of(c)[0] for c in chunks]
-        blocks[:] = [c.block_ids[c.start // bs] for c in chunks]
-        np.remainder(pos, bs, out=offsets)
-        np.add(pos, 1, out=lens)
+        host = pinned.numpy()
+        ids, pos, blocks, offsets, lens, fill_rows, sources = (
+            host[i * size:(i + 1) * size] for i in range(self.NUM_VECTORS))
+        table = host[self.NUM_VECTORS * size:self.NUM_VECTORS * size + n * cols].reshape(n, cols)
+        pos[:n] = [c.start for c in chunks]
+        ids[:n] = [c.token_ids[0] if c.token_ids else 0 for c in chunks]
+        blocks[:n] = [c.block_ids[c.start // bs] for c in chunks]
+        np.remainder(pos[:n], bs, out=offsets[:n])
+        np.add(pos[:n], 1, out=lens[:n])
         for row, c in zip(table, chunks):  # entries past a row's own blocks are never read
             used = c.block_ids[:c.start // bs + 1]
             row[:len(used)] = used
-        # padded rows (stale from an earlier, larger batch otherwise): write the scratch
-        # block, attend to nothing
-        host[2 * size + n:3 * size] = self.scratch_block
-        host[4 * size + n:5 * size] = 0
+        # padded rows (the buffer is shared by every size: stale otherwise): write the
+        # scratch block, attend to nothing
+        for vector, value in ((ids, 0), (pos, 0), (blocks, self.scratch_block), (offsets, 0),
+                              (lens, 0)):
+            vector[n:] = value
+        rows, srcs = placeholders(chunks)
+        k = len(rows)
+        fill_rows[:k], sources[:k] = rows, srcs
         # only what the step reads travels: the vectors, and an n x cols table placed into
         # the graph's wide one on the device (its other entries are never read)
-        self.buffer.copy_(self.host[:5 * size], non_blocking=True)
-        self.staging[:n * cols].copy_(self.host[5 * size:5 * size + n * cols], non_blocking=True)
+        vectors = self.NUM_VECTORS * size
+        self.buffer.copy_(pinned[:vectors], non_blocking=True)
+        self.staging[:n * cols].copy_(pinned[vectors:vectors + n * cols], non_blocking=True)
         self.table[:n, :cols].copy_(self.staging[:n * cols].view(n, cols))
+        return k
 
 
 class DecodeGraphs:
@@ -108,6 +151,7 @@ class DecodeGraphs:
         device = kv_cache.tensor.device
         sizes = [s for s in BATCH_LADDER if s < max_batch_size] + [max_batch_size]
         self.graphs = {s: _Graph(s, table_width, device, kv_cache.scratch_block) for s in sizes}
+        self.host = HostBuffers(self.graphs[max_batch_size].host_size(table_width), device)
         self.max_size = max_batch_size
         self.num_replays = 0
         pool = None
@@ -131,11 +175,10 @@ class DecodeGraphs:
         return (0 < len(batch.chunks) <= self.max_size
                 and all(c.num_tokens == 1 and c.is_sampling for c in batch.chunks))
 
-    def replay(self, batch, token_ids_of, layer_hooks=None) -> torch.Tensor:
-        """Logits [rows, vocab] of a decode-only batch (rows in chunk order)."""
-        n = len(batch.chunks)
-        g = self.graphs[next(s for s in sorted(self.graphs) if s >= n)]
-        g.fill(batch.chunks, token_ids_of, self.block_size)
+    def replay(self, batch, runner, layer_hooks=None) -> torch.Tensor:
+        """Logits [rows, vocab] of a decode-only batch (rows in chunk order); `runner` (the
+        ModelRunner) finds and fills the rows whose token the previous step sampled."""
+        g = self.prepare(batch, runner)
         num_layers = len(self.kv_cache.layers)
         if layer_hooks is not None:
             for i in range(num_layers):
@@ -145,4 +188,13 @@ class DecodeGraphs:
         if layer_hooks is not None:
             for i in range(num_layers):
                 layer_hooks.save_kv_layer(i)
-        return g.logits[:n]
+        return g.logits[:len(batch.chunks)]
+
+    def prepare(self, batch, runner) -> _Graph:
+        """The graph for `batch`, its inputs written and its placeholders filled."""
+        n = len(batch.chunks)
+        g = self.graphs[next(s for s in sorted(self.graphs) if s >= n)]
+        k = g.fill(batch.chunks, self.host.take(), self.block_size, runner.placeholders)
+        self.host.sent()
+        runner.fill_placeholders(g.ids, g.fill_rows[:k], g.sources[:k])
+        return g

@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 
 from shoal.config import EngineConfig
 from shoal.engine.build import EngineInfo, build_engine_parts
-from shoal.engine.model_runner import ModelRunner
+from shoal.engine.model_runner import NO_TOKENS, ModelRunner, SampledTokens
 from shoal.engine.peers import Peers, StepVote
 from shoal.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.engine.connector_calls import keep_alive
@@ -75,7 +75,8 @@ class EngineLike(Protocol):
 class _Executed:
     """What executing one batch produced (on the executing thread)."""
 
-    sampled: list[int]  # one token per sampling chunk, in chunk order
+    sampled: SampledTokens  # one token per sampling chunk, in chunk order (maybe still
+    # on its way from the device: the executing thread does not wait for the forward)
     transfers: TransferReport | None  # the connector's poll at the end of the step
     logprobs: list | None = None  # per sampled token: its TokenLogprobs or None (not asked)
 
@@ -111,7 +112,7 @@ class Engine:
         self._logprobs: dict[str, list] = {}  # rid -> TokenLogprobs per output token (if asked)
         self.num_iterations = 0
         self.num_forward_passes = 0
-        self.forward_seconds = 0.0  # wall time of forwards (incl. sampling), executing thread
+        self.forward_seconds = 0.0  # executing thread's time in forwards (on a GPU: launching)
         self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",
                                       "local_prefix_hit_tokens"), 0)
 
@@ -202,7 +203,7 @@ class Engine:
         transfers = self.transfers
         if transfers is not None:  # this owner's own plan (empty in a padding step)
             transfers.begin_step(batch.transfers)
-        sampled = []
+        sampled = NO_TOKENS
         if not batch.is_empty or any(token_counts):
             self.num_forward_passes += 1
             start = time.perf_counter()
@@ -225,7 +226,8 @@ class Engine:
                 outcome = self.transfers.apply(batch.transfers, out.transfers)
             asked = self._logprobs_asked(batch, out.logprobs)
             # a step still in flight may write the blocks of requests ending now
-            done = self.scheduler.update(batch, out.sampled, bool(self._inflight), outcome)
+            done = self.scheduler.update(batch, out.sampled.tolist(), bool(self._inflight),
+                                         outcome)
             for req, num_before, logprobs in asked:  # kept for the tokens that were appended
                 if len(req.output_token_ids) > num_before:
                     self._logprobs.setdefault(req.request_id, []).append(logprobs)

@@ -1,8 +1,12 @@
 """Turns a ScheduledBatch into model inputs, runs the forward and samples.
 
 Runs on the thread that executes steps (the caller's in the plain loop, a worker in the
-overlap loop). Steps execute strictly in order, which is what lets a step read the
-token a previous step sampled (`last_sampled`) before the scheduler has seen it.
+overlap loop). Steps execute strictly in order. `execute` only launches: it returns the
+step's sampled tokens as `SampledTokens`, whose copy to the host is queued behind the
+forward, so the executing thread can prepare and launch the next step while the device
+still runs this one. A token a step samples stays on the device for the next step: a
+chunk's trailing placeholder (overlap loop: the token the previous step samples) is filled
+there from the previous step's samples, never from the host.
 
 Two input paths, the same model:
 - reference (CPU, or no Triton): per-step tensors for gather + SDPA attention;
@@ -26,6 +30,32 @@ from shoal.model.paged_attention import HAS_TRITON
 from shoal.sampling import Sampler, TokenLogprobs, compute_logprobs
 
 
+class SampledTokens:
+    """One step's sampled token ids on their way to the host. On a GPU the copy is queued
+    behind the step's forward; `tolist()` waits for it (the GIL is released meanwhile)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self._event = None
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tokens = host
+        self._host = tokens
+        self._list: list[int] | None = None
+
+    def tolist(self) -> list[int]:
+        if self._list is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._list = self._host.tolist()
+        return self._list
+
+
+NO_TOKENS = SampledTokens(torch.empty(0, dtype=torch.int32))
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device,
                  max_model_len: int, max_batch_size: int, enforce_eager: bool = True):
@@ -34,7 +64,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
-        self.last_sampled: dict[str, int] = {}  # request id -> its latest sampled token
+        # the previous step's samples, on the device, and each sampled request's row in them
+        self._prev_tokens = torch.zeros(0, dtype=torch.int32, device=device)
+        self._prev_rows: dict[str, int] = {}
         self._logprobs: list[TokenLogprobs | None] | None = None  # the last execute's, if asked
         self.is_paged = device.type == "cuda" and HAS_TRITON
         # block-table columns: no request grows past the context or the whole cache
@@ -47,27 +79,30 @@ class ModelRunner:
         if self.is_paged and not enforce_eager and model.shard.size == 1:
             self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_width)
 
-    def execute(self, batch: ScheduledBatch, token_counts: list[int], layer_hooks=None) -> list[int]:
-        """Run one step; returns one sampled token per sampling chunk, in chunk order.
+    def execute(self, batch: ScheduledBatch, token_counts: list[int],
+                layer_hooks=None) -> SampledTokens:
+        """Launch one step; returns one sampled token per sampling chunk, in chunk order.
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
         `layer_hooks` (the connector's worker hooks) are called around every layer."""
         sampling = [c for c in batch.chunks if c.is_sampling]
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_replay(batch):
-                logits = self.graphs.replay(batch, self._token_ids, layer_hooks)
+                logits = self.graphs.replay(batch, self, layer_hooks)
             else:
                 prepare = self._prepare_paged if self.is_paged else self._prepare
                 input_ids, positions, meta, sample_rows = prepare(batch, token_counts)
                 hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
                 logits = self.model.compute_logits(hidden[sample_rows])
-        tokens = self.sampler.sample(logits, [c.request.request_id for c in sampling],
-                                     [c.request.sampling for c in sampling])
-        for chunk, token in zip(sampling, tokens):
-            self.last_sampled[chunk.request.request_id] = token
+            request_ids = [c.request.request_id for c in sampling]
+            tokens = self.sampler.sample_on_device(
+                logits, request_ids, [c.request.sampling for c in sampling]).int()
+        self._prev_tokens = tokens
+        self._prev_rows = {rid: row for row, rid in enumerate(request_ids)}
+        sampled = SampledTokens(tokens)
         num_top = [c.request.sampling.logprobs for c in sampling]
         if any(k is not None for k in num_top):  # only rows whose request asked
-            self._logprobs = compute_logprobs(logits, tokens, num_top)
-        return tokens
+            self._logprobs = compute_logprobs(logits, sampled.tolist(), num_top)
+        return sampled
 
     def take_logprobs(self) -> list[TokenLogprobs | None] | None:
         """The logprobs of the last `execute`'s samples (one per sampled token, None where
@@ -86,15 +121,28 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once a request can never be scheduled again."""
-        self.last_sampled.pop(request_id, None)
         self.sampler.forget(request_id)
 
-    def _token_ids(self, chunk) -> list[int]:
-        """The chunk's token ids, its placeholder (overlap loop) filled from the last sample."""
-        if not chunk.num_placeholders:
-            return chunk.token_ids
-        assert chunk.num_placeholders == 1, f"{chunk.num_placeholders} placeholders"
-        return chunk.token_ids + [self.last_sampled[chunk.request.request_id]]
+    def placeholders(self, chunks) -> tuple[list[int], list[int]]:
+        """(rows, sources): the batch rows of the chunks' placeholder tokens (a chunk's last
+        row) and those tokens' rows in the previous step's samples. In the overlap loop a
+        chunk's placeholder is always the previous step's sample of its request."""
+        rows, sources, row = [], [], 0
+        prev = self._prev_rows
+        for chunk in chunks:
+            row += chunk.num_tokens
+            if chunk.num_placeholders:
+                assert chunk.num_placeholders == 1, f"{chunk.num_placeholders} placeholders"
+                rows.append(row - 1)
+                sources.append(prev[chunk.request.request_id])
+        return rows, sources
+
+    def fill_placeholders(self, input_ids: torch.Tensor, rows: torch.Tensor,
+                          sources: torch.Tensor) -> None:
+        """input_ids[rows] = the previous step's samples[sources], on the device."""
+        if rows.numel():
+            input_ids.index_copy_(0, rows.to(torch.long), self._prev_tokens.index_select(
+                0, sources.to(torch.long)).to(input_ids.dtype))
 
     def _prepare_paged(self, batch: ScheduledBatch, token_counts: list[int]):
         """The kernel path's inputs: one pinned buffer, one host-to-device copy."""
@@ -106,7 +154,7 @@ class ModelRunner:
             end = chunk.start + chunk.num_tokens
             pos = np.arange(chunk.start, end, dtype=np.int32)
             blocks = np.asarray(chunk.block_ids[:cdiv(end, bs)], dtype=np.int32)
-            ids.append(np.asarray(self._token_ids(chunk), dtype=np.int32))
+            ids.append(np.asarray(chunk.token_ids + [0] * chunk.num_placeholders, np.int32))
             positions.append(pos)
             slot_blocks.append(blocks[pos // bs])
             tables.append(blocks)
@@ -121,12 +169,15 @@ class ModelRunner:
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
         pos = np.concatenate(positions) if positions else np.zeros(0, np.int32)
+        fill_rows, sources = self.placeholders(batch.chunks)
         (input_ids, positions_d, slot_block_ids, slot_offsets, starts_d, lens_d, ctx_d,
-         table_d, rows_d) = self._inputs.send(
+         table_d, rows_d, fill_rows_d, sources_d) = self._inputs.send(
             [np.concatenate(ids) if ids else pos, pos,
              np.concatenate(slot_blocks) if slot_blocks else pos, pos % bs,
              np.asarray(starts, np.int32), np.asarray(lens, np.int32),
-             np.asarray(ctxs, np.int32), table, np.asarray(sample_rows, np.int32)])
+             np.asarray(ctxs, np.int32), table, np.asarray(sample_rows, np.int32),
+             np.asarray(fill_rows, np.int32), np.asarray(sources, np.int32)])
+        self.fill_placeholders(input_ids, fill_rows_d, sources_d)
         paged = PagedInputs(table_d, starts_d, lens_d, ctx_d, max(lens, default=1))
         meta = AttentionMetadata(slot_block_ids, slot_offsets, None, None, None, 0, [],
                                  dp_token_counts=token_counts, paged=paged)
@@ -145,7 +196,8 @@ class ModelRunner:
         for chunk in batch.chunks:
             row = len(token_ids)
             end = chunk.start + chunk.num_tokens
-            token_ids.extend(self._token_ids(chunk))
+            token_ids.extend(chunk.token_ids)
+            token_ids.extend([0] * chunk.num_placeholders)  # filled on the device
             positions.extend(range(chunk.start, end))
             slot_blocks.extend(chunk.block_ids[p // bs] for p in range(chunk.start, end))
             num_blocks = cdiv(end, bs)
@@ -159,6 +211,10 @@ class ModelRunner:
             if chunk.is_sampling:
                 sample_rows.append(row + chunk.num_tokens - 1)
         pos = torch.tensor(positions, dtype=torch.long)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        fill_rows, sources = self.placeholders(batch.chunks)
+        self.fill_placeholders(input_ids, torch.tensor(fill_rows, dtype=torch.long, device=self.device),
+                               torch.tensor(sources, dtype=torch.long, device=self.device))
         meta = AttentionMetadata(
             slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
             slot_offsets=(pos % bs).to(self.device),
@@ -174,6 +230,5 @@ class ModelRunner:
                 lens = torch.tensor(decode_lens, device=self.device)
                 keys = torch.arange(width * bs, device=self.device)
                 meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        return (torch.tensor(token_ids, dtype=torch.long, device=self.device),
-                pos.to(self.device), meta,
+        return (input_ids, pos.to(self.device), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=self.device))

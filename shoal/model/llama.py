@@ -145,15 +145,21 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         # x [T, hidden]; cos/sin [T, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
+        fused = meta.paged is not None and self.q_norm is None
+        if fused:  # GPU: q and k rotated in place by one kernel
+            from shoal.model.fused_ops import rope_
+            rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head, before RoPE (as transformers' Qwen3)
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if not fused:
+            if self.q_norm is not None:  # per head, before RoPE (as transformers' Qwen3)
+                q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         if meta.paged is not None:
             from shoal.model.paged_attention import store_kv
             store_kv(k, v, k_cache, v_cache, meta.slot_block_ids, meta.slot_offsets)
@@ -222,19 +228,24 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, meta: AttentionMetadata):
+        fused = meta.paged is not None
         if self.shard.gather is None:
-            return self.shard.all_reduce_(self._mlp(x))
+            return self.shard.all_reduce_(self._mlp(x, fused))
         # ADP: rows of every owner, padded to the longest, through this rank's MLP columns;
         # the sum over ranks is the full MLP output, of which this owner keeps its rows.
         counts = meta.dp_token_counts
         width, mine = max(counts), x.shape[0]
         padded = F.pad(x, (0, 0, 0, width - mine))  # [width, hidden]
         every = self.shard.gather(padded)  # [num_owners * width, hidden]
-        out = self.shard.all_reduce_(self._mlp(every))
+        out = self.shard.all_reduce_(self._mlp(every, fused))
         return out[self.shard.rank * width:self.shard.rank * width + mine]
 
-    def _mlp(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def _mlp(self, x, fused: bool):
+        gate_up = self.gate_up_proj(x)
+        if fused:  # GPU: one kernel
+            from shoal.model.fused_ops import silu_mul
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -247,8 +258,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, shard)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), meta)
+        if meta.paged is None:  # the reference ops
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+            return x + self.mlp(self.post_attention_layernorm(x), meta)
+        from shoal.model.fused_ops import add_rms_norm, rms_norm  # GPU: fused kernels
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h = self.self_attn(rms_norm(x, norm1.weight, norm1.eps), cos, sin, meta, k_cache, v_cache)
+        h, x = add_rms_norm(h, x, norm2.weight, norm2.eps)
+        return x + self.mlp(h, meta)
 
 
 def _whole(w: torch.Tensor) -> torch.Tensor:

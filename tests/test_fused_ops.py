@@ -1,0 +1,83 @@
+"""The fused elementwise kernels against the PyTorch ops they replace (shoal.model.llama),
+on random inputs with ragged widths. On CPU through Triton's interpreter (float32); on a
+GPU compiled, in float32, bfloat16 and float16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pa = pytest.importorskip("shoal.model.paged_attention")
+if not pa.HAS_TRITON:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+from shoal.model import fused_ops  # noqa: E402
+from shoal.model.llama import RMSNorm, rotate_half  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+
+
+def assert_matches(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32: within rounding of a different summation order. Half dtypes: the same
+    values but for rare one-ulp differences (a float32 intermediate rounding the other way)."""
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        return
+    same = (ours == ref).float().mean().item()
+    assert same >= 0.99, same
+    ulp = torch.finfo(ref.dtype).eps * ref.abs().float().clamp(min=1e-3)
+    assert ((ours.float() - ref.float()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 576, 200])
+def test_rms_norm_and_the_residual_add(dtype, width):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(37, width, generator=g).to(DEVICE, dtype)
+    residual = (3 * torch.randn(37, width, generator=g)).to(DEVICE, dtype)
+    norm = RMSNorm(width, 1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(width, generator=g) + 0.5)
+        assert_matches(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+        out, total = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        assert torch.equal(total, residual + x)  # one rounding of one add: exact
+        assert_matches(out, norm(residual + x))
+        # rows of a strided view (a slice of a wider batch) and no rows at all
+        wide = torch.randn(37, 2 * width, generator=g).to(DEVICE, dtype)[:, :width]
+        assert_matches(fused_ops.rms_norm(wide, norm.weight, norm.eps), norm(wide))
+        assert fused_ops.rms_norm(x[:0], norm.weight, norm.eps).shape == (0, width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [160, 1536, 100])
+def test_silu_mul(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    gate_up = (4 * torch.randn(23, 2 * n, generator=g)).to(DEVICE, dtype)
+    gate, up = gate_up.split(n, dim=-1)
+    assert_matches(fused_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64), (32, 8, 128), (6, 1, 40)])
+def test_rope_in_place_on_the_qkv_rows(dtype, heads):
+    hq, hkv, d = heads
+    g = torch.Generator().manual_seed(hq * d)
+    t = 29
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    positions = torch.randint(0, 4000, (t,), generator=g).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    ref_q, ref_k, ref_v = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v.clone()
+    fused_ops.rope_(qkv, cos, sin, hq, hkv, d)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    assert_matches(q.reshape(t, hq, d), ref_q)
+    assert_matches(k.reshape(t, hkv, d), ref_k)
+    assert torch.equal(v, ref_v)  # the values are left alone
