@@ -43,6 +43,7 @@ class RequestHandle:
         self._tokens: deque = deque()
         self._lock = threading.Condition(threading.Lock())  # the batches, and a subscriber taking over
         self._callback: Callable[[list[int] | None, list | None], None] | None = None
+        self._num_waiting = 0  # stream() callers waiting on the condition
 
     def cancel(self) -> None:
         """End the request as "cancelled": at once, or (with a pending KV transfer) once the
@@ -62,7 +63,11 @@ class RequestHandle:
         while True:
             with self._lock:
                 while not self._tokens:
-                    self._lock.wait()
+                    self._num_waiting += 1
+                    try:
+                        self._lock.wait()
+                    finally:
+                        self._num_waiting -= 1
                 item = self._tokens.popleft()
             if item is _END:
                 self._future.result()  # raise the engine's error, if that is how it ended
@@ -89,7 +94,8 @@ class RequestHandle:
                 _call(self._callback, token_ids, logprobs)
             else:
                 self._tokens.append((token_ids, logprobs))
-                self._lock.notify()
+                if self._num_waiting:  # most requests are never streamed (generate)
+                    self._lock.notify()
 
     def _end(self) -> None:
         with self._lock:
@@ -278,7 +284,7 @@ class Driver:
             for rid, token_ids in result.new_tokens.items():
                 handle = self._handles.get(rid)
                 if handle is not None:
-                    handle._push(list(token_ids), result.new_logprobs.get(rid))
+                    handle._push(token_ids, result.new_logprobs.get(rid))  # a fresh list
             for out in result.finished:
                 handle = self._handles.pop(out.request_id, None)
                 if handle is None:  # the engine returns a request once: it was not added here

@@ -107,8 +107,13 @@ class PagedMover:
             for (page, slot), block in rows:
                 self.kv_rows[block].copy_(self.tier.rows(page, slot, 1)[0].view(self.word))
             return None
+        # after the forwards launched so far (on the default stream, which is this thread's
+        # current one): one may still use these blocks' previous contents (a request
+        # preempted while its last step runs frees its blocks at once)
+        compute = torch.cuda.current_stream(self.device)
         stream, staging = self._thread_buffers()
         with torch.cuda.stream(stream):
+            stream.wait_stream(compute)
             n = 0
             for page, first, count in _runs([w for w, _ in rows]):
                 staging[n:n + count].copy_(self.tier.rows(page, first, count).view(self.word),
