@@ -211,13 +211,6 @@ class Engine:
             # padding rows never reach a connector: no layer hooks for a padding forward
             hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty else None
             sampled = self.runner.execute(batch, token_counts, hooks)
-            if transfers is not None:
-                # with a connector the poll below, and the next step's loads, start only once
-                # this step's forward has ended, as before execute returned early: launching
-                # ahead with pool loads in flight gave wrong tokens on the H200 in one test
-                # (tests/test_cuda.py::test_late_and_stalled_transfers_on_cuda), not yet
-                # explained; docs/roadmap.md
-                sampled.tolist()
             self.forward_seconds += time.perf_counter() - start
         report = transfers.end_step(batch.transfers) if transfers is not None else None
         return _Executed(sampled, report, self.runner.take_logprobs())
