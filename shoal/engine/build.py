@@ -3,6 +3,8 @@ namespace, and the connector's transfers. What it discovers comes back as `Engin
 
 from __future__ import annotations
 
+import atexit
+import gc
 import hashlib
 import logging
 import sys
@@ -60,6 +62,20 @@ def hand_over_the_gil_often() -> None:
     of a decode step. A process running a GPU engine is a server: set for the process."""
     if sys.getswitchinterval() > GPU_GIL_SWITCH_SECONDS:
         sys.setswitchinterval(GPU_GIL_SWITCH_SECONDS)
+
+
+def freeze_what_was_built() -> None:
+    """Collect, then move every object alive now (the model, torch's and the other
+    libraries' modules: hundreds of thousands) out of the cyclic collector's reach: the
+    collections a step's short-lived objects set off would otherwise scan them all (two
+    such passes took 0.46 s of a 0.67 s batch of 256 on a 2-core machine). Unfrozen at
+    exit (below), so the interpreter's last collection still finalizes them: Triton's
+    bindings report objects left alive then as leaks."""
+    gc.collect()
+    gc.freeze()
+
+
+atexit.register(gc.unfreeze)  # a no-op when nothing was frozen
 
 
 def build_engine_parts(config: EngineConfig, peers: Peers,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shoal.kv.kv_cache_manager import cdiv
 from shoal.model.llama import AttentionMetadata, PagedInputs
 
 ALIGN = 16  # int32 elements: 64 bytes
@@ -35,20 +36,19 @@ class HostBuffers:
         self.size = size
         self._buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
                          for _ in range(2)]
-        self._events: list = [None, None]
+        # an event not yet recorded counts as done: synchronize() returns at once
+        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self._turn = 0
 
     def take(self) -> torch.Tensor:
         self._turn ^= 1
-        event = self._events[self._turn]
-        if event is not None:
-            event.synchronize()
+        if self._events is not None:
+            self._events[self._turn].synchronize()
         return self._buffers[self._turn]
 
     def sent(self) -> None:
-        if self.cuda:
-            event = self._events[self._turn] = self._events[self._turn] or torch.cuda.Event()
-            event.record()
+        if self._events is not None:
+            self._events[self._turn].record()
 
 
 class StepInputs:
@@ -64,7 +64,7 @@ class StepInputs:
         starts, total = [], 0
         for a in arrays:
             starts.append(total)
-            total += -(-a.size // ALIGN) * ALIGN
+            total += cdiv(a.size, ALIGN) * ALIGN
         if total > self._host.size:
             size = max(total, 2 * self._host.size, 1 << 16)
             if self._host.cuda:  # the old buffers' last copies

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from shoal.config import EngineConfig
-from shoal.engine.build import EngineInfo, build_engine_parts
+from shoal.engine.build import EngineInfo, build_engine_parts, freeze_what_was_built
 from shoal.engine.model_runner import NO_TOKENS, ModelRunner, SampledTokens
 from shoal.engine.peers import Peers, StepVote
 from shoal.engine.scheduler import ScheduledBatch, Scheduler
@@ -115,6 +115,7 @@ class Engine:
         self.forward_seconds = 0.0  # executing thread's time in forwards (on a GPU: launching)
         self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",
                                       "local_prefix_hit_tokens"), 0)
+        freeze_what_was_built()
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -212,9 +212,9 @@ class ModelRunner:
                 sample_rows.append(row + chunk.num_tokens - 1)
         pos = torch.tensor(positions, dtype=torch.long)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        fill_rows, sources = self.placeholders(batch.chunks)
-        self.fill_placeholders(input_ids, torch.tensor(fill_rows, dtype=torch.long, device=self.device),
-                               torch.tensor(sources, dtype=torch.long, device=self.device))
+        fill_rows, sources = (torch.tensor(x, dtype=torch.long, device=self.device)
+                              for x in self.placeholders(batch.chunks))
+        self.fill_placeholders(input_ids, fill_rows, sources)
         meta = AttentionMetadata(
             slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
             slot_offsets=(pos % bs).to(self.device),
