@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,32 @@ from tests.conftest import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# How far apart (in logprob, i.e. logit, units) the no-pool run's top two tokens may be for a
+# bfloat16 run to take the second: a batch of another shape (a request joining late because
+# its load finished later) rounds the projections differently, and a tiny random model has
+# near ties. Measured: a tie of 0.012 flipped on the H200; float32 runs must be exact.
+NEAR_TIE = 0.05
+
+
+def reference(llm, prompts, sp):
+    """The no-pool run's outputs, with the logprobs `assert_same_greedy` needs."""
+    return llm.generate(prompts, dataclasses.replace(sp, logprobs=5))
+
+
+def assert_same_greedy(expected, outs, exact=False):
+    """Each request's greedy tokens are the no-pool run's; unless `exact`, a request may part
+    from it where the no-pool run's top two were a near tie (at most one request may)."""
+    parted = 0
+    for ref, out in zip(expected, outs, strict=True):
+        if out.token_ids == ref.token_ids:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)) if a != b)
+        top = dict(ref.logprobs[i].top)
+        assert not exact and out.token_ids[i] in top, (i, out.token_ids, ref.token_ids)
+        assert top[ref.token_ids[i]] - top[out.token_ids[i]] <= NEAR_TIE, (i, top)
+        parted += 1
+    assert parted <= 1, parted
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -54,29 +82,32 @@ def test_fs_pool_round_trip_on_cuda(tiny_models, tmp_path, load_mode):
     prompts = random_prompts(512, [45, 30, 9])
     kw = dict(device="cuda", block_size=4, num_kv_blocks=128)
     with LLM(path, **kw) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12))]
+        expected = reference(llm, prompts, SamplingParams(max_tokens=12))
     cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path), "load_mode": load_mode})
     runs = []
     for _ in range(2):  # producer, then a fresh consumer
         with LLM(path, kv_connector=cfg, **kw) as llm:
             runs.append(llm.generate(prompts, SamplingParams(max_tokens=12)))
             llm.check_integrity()
-    assert [o.token_ids for o in runs[0]] == expected
-    assert [o.token_ids for o in runs[1]] == expected
+    assert_same_greedy(expected, runs[0])
+    assert_same_greedy(expected, runs[1])
     assert [o.num_connector_tokens for o in runs[1]] == [44, 28, 8]
 
 
-def test_late_and_stalled_transfers_on_cuda(tiny_models, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_late_and_stalled_transfers_on_cuda(tiny_models, tmp_path, dtype):
     """The failure policy's paths on GPU blocks: late loads and saves (pinned staging) give
-    the no-pool tokens; a load stalled past its deadline is aborted, that request errs."""
+    the no-pool tokens; a load stalled past its deadline is aborted, that request errs.
+    A late load makes its request join a batch of another shape: float32 tokens are exact,
+    bfloat16 ones may take a near tie the other way."""
     from shoal.connectors import ConnectorConfig
 
     path = str(tiny_models["mha_untied"])
     prompts = random_prompts(512, [45, 30])
-    kw = dict(device="cuda", block_size=4, num_kv_blocks=128)
+    kw = dict(device="cuda", dtype=dtype, block_size=4, num_kv_blocks=128)
     sp = SamplingParams(max_tokens=8)
     with LLM(path, **kw) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+        expected = reference(llm, prompts, sp)
 
     def cfg(fault, timeout=600.0):
         return ConnectorConfig(module="tests.fault_connector", scheduler_class="FaultScheduler",
@@ -85,7 +116,7 @@ def test_late_and_stalled_transfers_on_cuda(tiny_models, tmp_path):
                                transfer_timeout_sec=timeout, control_grace_sec=0.5)
     for _ in ("producer", "consumer"):
         with LLM(path, kv_connector=cfg({"load_polls": 3, "save_polls": 3}), **kw) as llm:
-            assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
+            assert_same_greedy(expected, llm.generate(prompts, sp), exact=dtype == "float32")
             llm.check_integrity()
     with LLM(path, kv_connector=cfg({"load_polls": -1}, timeout=1.0), **kw) as llm:
         outs = llm.generate(prompts, sp)
@@ -140,7 +171,7 @@ def test_decode_graphs_with_a_pool_on_cuda(tiny_models, tmp_path):
     kw = dict(device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=128)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(path, **kw) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+        expected = reference(llm, prompts, sp)
     for _ in range(2):
         with LLM(path, kv_pool=str(tmp_path), **kw) as llm:
             outs = llm.generate(prompts, sp)
@@ -165,13 +196,13 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
               enable_prefix_caching=False)
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     with LLM(path, **kw) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+        expected = reference(llm, prompts, sp)
         block_nbytes = llm.engine.kv_cache.layout.block_nbytes
     pool = tmp_path / "pool"
     tier_bytes = 1 << 26 if tier == "roomy" else block_nbytes
     cfg = ConnectorConfig(name="fs", options={"root": str(pool), "host_tier_bytes": tier_bytes})
     with LLM(path, kv_connector=cfg, **kw) as llm:  # computes, saves through pages
-        assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
+        assert_same_greedy(expected, llm.generate(prompts, sp))
         worker_tier = llm.engine.transfers.calls.worker.tier
         assert worker_tier.num_pages * worker_tier.blocks_per_page >= (68 if tier == "roomy" else 36)
     with LLM(path, kv_connector=cfg, **kw) as llm:
@@ -179,7 +210,8 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
         again = llm.generate(prompts, sp)  # the tier (roomy), or mostly the files again
         llm.check_integrity()
         stats = llm.stats()
-    assert [o.token_ids for o in first] == expected and [o.token_ids for o in again] == expected
+    assert_same_greedy(expected, first)
+    assert_same_greedy(expected, again)
     assert [o.num_connector_tokens for o in again] == [84, 68, 120]
     assert stats["blocks_loaded"] == 2 * 68
     if tier == "roomy":
@@ -194,7 +226,7 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
         outs = llm.generate(prompts, sp)
         llm.check_integrity()
         stats = llm.stats()
-    assert [o.token_ids for o in outs] == expected
+    assert_same_greedy(expected, outs)
     assert stats["corrupt_blocks"] == 1 and stats["load_failures_recomputed"] == 1
 
 

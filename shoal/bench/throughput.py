@@ -5,7 +5,8 @@ Prompts are chat prompts through the model's tokenizer, or (`--prompt-len N`, an
 for `random:<shape>` checkpoints, which have no tokenizer) N random token ids each. On CUDA
 transformers runs twice per round: with its default SDPA backends and with cuDNN's turned
 off (often much faster); both ratios are reported, and Shoal's decode step is set next to
-the time to read the weights once from device memory (measured bandwidth): the floor.
+the time to read the weights once from device memory (measured bandwidth) and next to the
+floor: the weights plus the batch's K and V at its mean context over the decode steps.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def run_throughput(model: str, num_prompts: int, max_tokens: int, device: str,
         params = list(llm.engine.model.parameters())  # one rank: the model is here
         torch_dtype = params[0].dtype
         weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        layout = llm.engine.kv_cache.layout
+        kv_token_bytes = layout.block_nbytes // layout.block_size  # all layers' K and V
         ref = _load_reference(model, device, torch_dtype)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
         _hf_generate(ref, prompts[:2], 4, pad_id=2)
@@ -153,6 +156,12 @@ def run_throughput(model: str, num_prompts: int, max_tokens: int, device: str,
         result["memory_bandwidth_gbps"] = bandwidth / 1e9
         result["weights_read_ms"] = 1e3 * weight_bytes / bandwidth
         result["decode_over_weights_read"] = result["shoal_decode_ms_per_step"] / result["weights_read_ms"]
+        # what a decode step must read at least: the weights, and every request's K and V
+        # (its context averaged over the decode steps)
+        context = (prompt_len or len(prompts[0])) + max_tokens / 2
+        result["kv_read_ms"] = 1e3 * num_prompts * context * kv_token_bytes / bandwidth
+        result["decode_floor_ms"] = result["weights_read_ms"] + result["kv_read_ms"]
+        result["decode_over_floor"] = result["shoal_decode_ms_per_step"] / result["decode_floor_ms"]
 
     print(f"{model} on {device} ({torch_dtype}): {num_prompts} prompts x {max_tokens} new "
           f"tokens, median of {rounds} alternating rounds")
@@ -167,7 +176,9 @@ def run_throughput(model: str, num_prompts: int, max_tokens: int, device: str,
     if cuda:
         line += (f"; reading the weights ({weight_bytes / 1e9:.2f} GB) at "
                  f"{result['memory_bandwidth_gbps']:.0f} GB/s takes {result['weights_read_ms']:.2f} ms "
-                 f"(ratio {result['decode_over_weights_read']:.2f})")
+                 f"(ratio {result['decode_over_weights_read']:.2f}); with the KV of the batch "
+                 f"the floor is {result['decode_floor_ms']:.2f} ms "
+                 f"(ratio {result['decode_over_floor']:.2f})")
     print(line)
     print(f"TTFT of a {len(long_prompt)}-token prompt: cold {cold.metrics.ttft_s:.3f} s, "
           f"repeated (prefix hit, {warm.num_local_prefix_tokens} tokens reused) "
