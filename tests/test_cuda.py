@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.cuda,
 # How far apart (in logprob, i.e. logit, units) the no-pool run's top two tokens may be for a
 # bfloat16 run to take the second: a batch of another shape (a request joining late because
 # its load finished later) rounds the projections differently, and a tiny random model has
-# near ties. Measured: a tie of 0.012 flipped on the H200; float32 runs must be exact.
-NEAR_TIE = 0.05
+# near ties. Measured on the H200: a top two 0.047 apart in bfloat16 (0.012 in float32)
+# flipped when a late load changed the batch; float32 runs must be exact.
+NEAR_TIE = 0.1
 
 
 def reference(llm, prompts, sp):
@@ -177,7 +178,7 @@ def test_decode_graphs_with_a_pool_on_cuda(tiny_models, tmp_path):
             outs = llm.generate(prompts, sp)
             assert llm.engine.runner.graphs.num_replays > 0
             llm.check_integrity()
-        assert [o.token_ids for o in outs] == expected
+        assert_same_greedy(expected, outs)
     assert [o.num_connector_tokens for o in outs] == [32, 16, 0]
 
 

@@ -139,6 +139,42 @@ def test_saves_and_loads_through_the_tier_move_the_exact_bytes(tmp_path, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_load_part_in_the_tier_part_in_files(tmp_path, device):
+    """The blocks the tier holds move in one task, the others are read by every I/O
+    thread; the first failed block is reported whichever task read it."""
+    n = 24
+    worker, kv = make_worker(tmp_path, device, tier_bytes=64 << 20)
+    keys = [os.urandom(32) for _ in range(n)]
+    original = kv[:n].clone()
+    transfer(worker, FsPoolMeta(saves=[BlockTransfer("s", i, i, k) for i, k in enumerate(keys)]),
+             "s", saving=True)
+    worker.shutdown()
+    fresh, kv2 = make_worker(tmp_path, device, tier_bytes=64 << 20)
+    held = [*range(8), *range(16, n)]  # loaded once: now in the tier; 8-15 are not
+    transfer(fresh, FsPoolMeta(loads=[BlockTransfer("h", i, i, keys[i]) for i in held]),
+             "h", saving=False)
+    path = next(p for p in pf.iter_block_files(tmp_path) if p.stem == keys[12].hex())
+    data = bytearray(path.read_bytes())
+    data[pf.HEADER_SIZE + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+    loads = [BlockTransfer("l", i, 32 + i, k) for i, k in enumerate(keys)]
+    tasks = fresh._load_tasks(loads)
+    assert [t.block_index for t in tasks[0]] == held
+    assert sorted(t.block_index for task in tasks[1:] for t in task) == list(range(8, 16))
+    kv2[32:].zero_()
+    transfer(fresh, FsPoolMeta(loads=loads), "l", saving=False)
+    assert fresh.get_failed_loads() == {"l": 12}
+    good = [i for i in range(n) if i != 12]
+    assert torch.equal(kv2[[32 + i for i in good]], original[good])
+    assert not kv2[32 + 12].any()  # the corrupt block's bytes never reached the cache
+    stats = fresh.stats()
+    assert stats["host_tier_hit_blocks"] == len(held) and stats["corrupt_blocks"] == 1
+    assert fresh.tier.num_held_pages == 0
+    fresh.tier.check_integrity()
+    fresh.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_tier_smaller_than_the_transfer_still_moves_every_block(tmp_path, device):
     n = 48
     # a tier of 8 blocks (on a GPU the staging minimum adds pages: still far below 48)

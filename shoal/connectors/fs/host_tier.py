@@ -91,6 +91,12 @@ class HostTier:
                 out.append(where)
         return out
 
+    def contains(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key is held here now (nothing is held for the caller: a page may be
+        emptied before the caller's `find`)."""
+        with self._cond:
+            return [key in self._where for key in keys]
+
     def publish(self, page: int, slot: int, key: bytes) -> None:
         """The slot holds `key`'s verified bytes (the caller holds the page)."""
         with self._cond:

@@ -175,6 +175,10 @@ class PagedMover:
         ids = torch.tensor(block_ids, dtype=torch.long).pin_memory()
         return ids.to(self.device, non_blocking=True)
 
+    def prepare_thread(self) -> None:
+        """Make this thread's stream and staging buffer now (else at its first copy)."""
+        self._thread_buffers()
+
     def _thread_buffers(self) -> tuple[torch.cuda.Stream, torch.Tensor]:
         """This thread's side stream and a page-sized device staging buffer (made once,
         on that stream: every use of it is ordered on the stream)."""
