@@ -101,14 +101,28 @@ def transfer(worker, meta: FsPoolMeta, rid: str, saving: bool, timeout: float = 
     raise AssertionError(f"{rid}: not done within {timeout} s")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_saves_and_loads_through_the_tier_move_the_exact_bytes(tmp_path, device):
-    n = 24
-    worker, kv = make_worker(tmp_path, device, tier_bytes=64 << 20)
+def saved_blocks(root, device, n):
+    """A worker with a 64 MiB tier that saved its first `n` blocks under fresh keys:
+    (worker, kv, keys, the blocks' bytes)."""
+    worker, kv = make_worker(root, device, tier_bytes=64 << 20)
     keys = [os.urandom(32) for _ in range(n)]
     original = kv[:n].clone()
     transfer(worker, FsPoolMeta(saves=[BlockTransfer("s", i, i, k) for i, k in enumerate(keys)]),
              "s", saving=True)
+    return worker, kv, keys, original
+
+
+def flip_a_payload_bit(root, key: bytes, offset: int) -> None:
+    path = next(p for p in pf.iter_block_files(root) if p.stem == key.hex())
+    data = bytearray(path.read_bytes())
+    data[pf.HEADER_SIZE + offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saves_and_loads_through_the_tier_move_the_exact_bytes(tmp_path, device):
+    n = 24
+    worker, kv, keys, original = saved_blocks(tmp_path, device, n)
     assert worker.stats()["blocks_saved"] == n and len(list(pf.iter_block_files(tmp_path))) == n
     # loads into other blocks come from the tier: no file is read
     transfer(worker, FsPoolMeta(loads=[BlockTransfer("l", i, 32 + i, k) for i, k in enumerate(keys)]),
@@ -121,10 +135,7 @@ def test_saves_and_loads_through_the_tier_move_the_exact_bytes(tmp_path, device)
     worker.shutdown()
 
     # a fresh worker (an empty tier) reads the files; a flipped byte fails that block only
-    path = next(p for p in pf.iter_block_files(tmp_path) if p.stem == keys[5].hex())
-    data = bytearray(path.read_bytes())
-    data[pf.HEADER_SIZE + 77] ^= 0x10
-    path.write_bytes(bytes(data))
+    flip_a_payload_bit(tmp_path, keys[5], 77)
     fresh, kv2 = make_worker(tmp_path, device, tier_bytes=64 << 20)
     before = kv2[5].clone()
     transfer(fresh, FsPoolMeta(loads=[BlockTransfer("l", i, i, k) for i, k in enumerate(keys)]),
@@ -143,20 +154,13 @@ def test_a_load_part_in_the_tier_part_in_files(tmp_path, device):
     """The blocks the tier holds move in one task, the others are read by every I/O
     thread; the first failed block is reported whichever task read it."""
     n = 24
-    worker, kv = make_worker(tmp_path, device, tier_bytes=64 << 20)
-    keys = [os.urandom(32) for _ in range(n)]
-    original = kv[:n].clone()
-    transfer(worker, FsPoolMeta(saves=[BlockTransfer("s", i, i, k) for i, k in enumerate(keys)]),
-             "s", saving=True)
+    worker, _, keys, original = saved_blocks(tmp_path, device, n)
     worker.shutdown()
     fresh, kv2 = make_worker(tmp_path, device, tier_bytes=64 << 20)
     held = [*range(8), *range(16, n)]  # loaded once: now in the tier; 8-15 are not
     transfer(fresh, FsPoolMeta(loads=[BlockTransfer("h", i, i, keys[i]) for i in held]),
              "h", saving=False)
-    path = next(p for p in pf.iter_block_files(tmp_path) if p.stem == keys[12].hex())
-    data = bytearray(path.read_bytes())
-    data[pf.HEADER_SIZE + 5] ^= 0x01
-    path.write_bytes(bytes(data))
+    flip_a_payload_bit(tmp_path, keys[12], 5)
     loads = [BlockTransfer("l", i, 32 + i, k) for i, k in enumerate(keys)]
     tasks = fresh._load_tasks(loads)
     assert [t.block_index for t in tasks[0]] == held
