@@ -145,6 +145,29 @@ def test_corrupt_file_is_a_miss_recomputed_and_quarantined(tiny_model, workload,
     assert pf.block_path(pool, bad_key).is_file()  # the recomputed block was saved again
 
 
+def test_blocks_a_load_brought_are_looked_up_once(tiny_model, workload, baseline, tmp_path,
+                                                  monkeypatch):
+    """Admission finds the request's blocks in the pool; deciding what to save later does not
+    look them up again (a lookup is a file system call: 512 of them for an 8k prompt)."""
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, workload[:1])
+    looked: dict[str, int] = {}
+    real = pf.is_block_file
+
+    def counting(path: str) -> bool:
+        looked[path] = looked.get(path, 0) + 1
+        return real(path)
+    monkeypatch.setattr(pf, "is_block_file", counting)
+    with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:
+        out = llm.generate(workload[:1], SP)[0]
+        llm.check_integrity()
+        keys: list[bytes] = []
+        extend_block_keys(keys, workload[0], 4,
+                          request_seed(bytes.fromhex(llm.engine.info.namespace), None))
+    assert out.token_ids == baseline[0] and out.num_connector_tokens == 40
+    assert [looked.get(pf.block_path_str(str(pool), k)) for k in keys[:10]] == [1] * 10
+
+
 def test_missing_file_after_lookup_is_recomputed(tiny_model, workload, baseline, tmp_path,
                                                  monkeypatch):
     """A file that disappears between the lookup and the read (trimmed by another process)."""

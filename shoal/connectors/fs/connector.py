@@ -143,7 +143,7 @@ UNUSABLE_FILES = _UnusableFiles()
 class _RequestState:
     block_ids: list[int]
     num_checked: int = 0  # leading full blocks already considered for saving
-    loaded: range = range(0)  # blocks its load brought from the pool: no need to look again
+    loading: range = range(0)  # blocks of its load (planned at admission)
     has_saves: bool = False
     saved_keys: list[bytes] = field(default_factory=list)  # saves scheduled for it
 
@@ -197,22 +197,24 @@ class FsPoolScheduler(KvConnectorScheduler):
         bs = self.ctx.block_size
         for rd in scheduler_output.new_requests:
             prev = self._requests.get(rd.request_id)
-            # its load (if any) has ended: the blocks it brought are those of the load's
-            # that are computed now (a failed block and those after it are recomputed)
-            load = self._loading.pop(rd.request_id, range(0))
             self._requests[rd.request_id] = _RequestState(
                 list(rd.new_block_ids), has_saves=prev is not None and prev.has_saves,
                 saved_keys=[] if prev is None else prev.saved_keys,
-                loaded=load[:max(rd.computed_position // bs - load.start, 0)])
+                loading=self._loading.pop(rd.request_id, range(0)))
         for rd in scheduler_output.cached_requests:
             self._requests[rd.request_id].block_ids.extend(rd.new_block_ids)
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
             st = self._requests[rd.request_id]
+            computed = rd.computed_position // bs
             full = min((rd.computed_position + rd.num_scheduled_tokens) // bs,
                        len(rd.block_keys), len(st.block_ids))
             for i in range(st.num_checked, full):
                 key = rd.block_keys[i]
-                if i in st.loaded or key in self._saving_keys or self._in_pool(key):
+                # a block of the load that is computed before this step's chunk came from
+                # the pool: no need to look for its file again (a block the load failed
+                # is first checked in the step that recomputes it: looked up, saved)
+                loaded = i in st.loading and i < computed
+                if loaded or key in self._saving_keys or self._in_pool(key):
                     continue
                 self._saving_keys.add(key)
                 st.saved_keys.append(key)
