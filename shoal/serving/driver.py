@@ -28,6 +28,32 @@ from shoal.request import NewRequest, RequestOutput, StepResult
 
 log = logging.getLogger(__name__)
 
+# How often a main thread's untimed wait wakes to take a Ctrl-C. The kernel may hand a
+# process's SIGINT to any of its threads; Python runs the handler only on the main thread,
+# between bytecodes, and a main thread blocked on a lock with no timeout is not woken for
+# a signal another thread took: a Ctrl-C would wait until the request ended (a CLI run of
+# `generate --dp 2` ignored it for minutes).
+SIGNAL_POLL_SECONDS = 0.1
+
+
+def result_of(fut: Future, timeout: float | None = None):
+    """`fut.result(timeout)`; on the main thread an untimed wait wakes every
+    SIGNAL_POLL_SECONDS, so a Ctrl-C is raised here at once, whichever thread took it."""
+    if timeout is not None or threading.current_thread() is not threading.main_thread():
+        return fut.result(timeout)
+    while True:
+        try:
+            return fut.result(SIGNAL_POLL_SECONDS)
+        except TimeoutError:
+            if fut.done():  # the future's own error
+                raise
+
+
+def _wait_on(cond: threading.Condition) -> None:
+    """`cond.wait()` (the caller holds it), woken as `result_of` is on the main thread."""
+    cond.wait(SIGNAL_POLL_SECONDS if threading.current_thread() is threading.main_thread()
+              else None)
+
 _END = object()  # a stream's last item
 
 
@@ -56,7 +82,7 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestOutput:
         """The output once the request ended; TimeoutError if it has not within `timeout`
         seconds; the engine's error if the engine stopped (e.g. a fatal connector failure)."""
-        return self._future.result(timeout)
+        return result_of(self._future, timeout)
 
     def stream(self) -> Iterator[int]:
         """Generated token ids as they are produced (each once), ending with the request."""
@@ -65,7 +91,7 @@ class RequestHandle:
                 while not self._tokens:
                     self._num_waiting += 1
                     try:
-                        self._lock.wait()
+                        _wait_on(self._lock)
                     finally:
                         self._num_waiting -= 1
                 item = self._tokens.popleft()
@@ -150,7 +176,7 @@ class Driver:
         if self._thread is None:
             self._raise_if_failed()
             return fn(self.engine)
-        return self.run_soon(fn).result()
+        return result_of(self.run_soon(fn))
 
     def run_soon(self, fn: Callable) -> Future:
         fut: Future = Future()
@@ -168,7 +194,7 @@ class Driver:
         """Add the requests on the driver thread, all before the next step; the handles come
         back at once (an invalid request id raises here)."""
         self.start()
-        return self.run_soon(lambda engine: self._add_all(engine, requests)).result()
+        return result_of(self.run_soon(lambda engine: self._add_all(engine, requests)))
 
     def stop(self) -> None:
         """Drain and shut the engine down as the driver's last operation; end the thread.
@@ -194,6 +220,9 @@ class Driver:
         if self._thread is None:
             self._raise_if_failed()
             return not self.engine.has_work
+        if timeout is None and threading.current_thread() is threading.main_thread():
+            while not self._idle.wait(SIGNAL_POLL_SECONDS):  # as result_of: takes a Ctrl-C
+                pass
         is_idle = self._idle.wait(timeout)
         self._raise_if_failed()
         return is_idle
