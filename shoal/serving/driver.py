@@ -54,6 +54,7 @@ def _wait_on(cond: threading.Condition) -> None:
     cond.wait(SIGNAL_POLL_SECONDS if threading.current_thread() is threading.main_thread()
               else None)
 
+
 _END = object()  # a stream's last item
 
 
