@@ -180,6 +180,22 @@ def test_ctrl_c_on_a_dp2_run_is_one_line(smollm2_path):
     assert lines == ["shoal: interrupted"], err
 
 
+def test_a_ctrl_c_ends_the_progress_bar_line_first():
+    """A Ctrl-C may land while `generate`'s bar is being made (before it can close it): the
+    handler closes every bar still drawn, so "shoal: interrupted" starts its own line."""
+    import io
+
+    from tqdm import tqdm
+
+    from shoal.serving.cli import _end_progress_bars
+
+    out = io.StringIO()
+    tqdm(total=3, desc="requests", file=out)  # drawn, never closed
+    _end_progress_bars()
+    assert out.getvalue().startswith("\rrequests") and out.getvalue().endswith("\n")
+    assert not tqdm._instances
+
+
 @pytest.mark.slow
 def test_an_error_inside_a_rank_is_one_line(smollm2_path):
     """A rank that cannot build its engine (a KV cache no machine holds): exit 1, one line."""

@@ -156,9 +156,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shoal: error: {e}", file=sys.stderr)
         return EXIT_RUNTIME_ERROR
     except KeyboardInterrupt:
+        _end_progress_bars()
         print("shoal: interrupted", file=sys.stderr)
         return 130
     return EXIT_BAD_INPUT
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars still drawn, so the line after them starts a line of its own
+    (a Ctrl-C may land while a bar is being made, before `generate` can close it)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # a bar interrupted half made: nothing more to draw
+            pass
 
 
 def _generate(args: argparse.Namespace) -> int:
