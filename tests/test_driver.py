@@ -15,8 +15,8 @@ def test_a_ctrl_c_another_thread_took_interrupts_the_waiting_main_thread(tiny_mo
     """The kernel may hand a process's SIGINT to any thread; Python raises it only on the
     main thread. Here the driver thread takes it (sent to itself once the request streams):
     the main thread, waiting in `result()`, raises KeyboardInterrupt while the request is
-    still running, not once it ends (a `generate --dp 2` run had ignored a Ctrl-C for
-    minutes that way). Nothing is left behind: the request ends as cancelled."""
+    still running, not once it ends. Nothing is left behind: the request ends as
+    cancelled."""
     sent = []
 
     def ctrl_c_on_this_thread(token_ids, logprobs):

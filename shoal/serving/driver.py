@@ -28,11 +28,11 @@ from shoal.request import NewRequest, RequestOutput, StepResult
 
 log = logging.getLogger(__name__)
 
-# How often a main thread's untimed wait wakes to take a Ctrl-C. The kernel may hand a
-# process's SIGINT to any of its threads; Python runs the handler only on the main thread,
-# between bytecodes, and a main thread blocked on a lock with no timeout is not woken for
-# a signal another thread took: a Ctrl-C would wait until the request ended (a CLI run of
-# `generate --dp 2` ignored it for minutes).
+# How often a main thread's untimed wait wakes to take a Ctrl-C. A process's SIGINT may be
+# handed to any of its threads (Linux prefers the main thread, not always); Python runs the
+# handler only on the main thread, between bytecodes, and a main thread blocked on a lock
+# with no timeout is not woken for a signal another thread took: the Ctrl-C would wait
+# until the request ended.
 SIGNAL_POLL_SECONDS = 0.1
 
 
