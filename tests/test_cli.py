@@ -166,7 +166,9 @@ def test_ctrl_c_on_a_dp2_run_is_one_line(smollm2_path):
         [sys.executable, "-m", "shoal", "generate", "--model", smollm2_path, "--dp", "2",
          "--chat", "--prompt", "Write a very long story about a lighthouse keeper.",
          "--max-tokens", "2000", "--num-kv-blocks", "256"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        # as from a terminal: a run started in the background inherits SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = b""
     while b"requests" not in seen:  # the progress bar: the fleet is up and generating
         chunk = os.read(proc.stderr.fileno(), 4096)

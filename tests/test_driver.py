@@ -11,7 +11,17 @@ from shoal import LLM, SamplingParams
 from tests.conftest import random_prompts
 
 
-def test_a_ctrl_c_another_thread_took_interrupts_the_waiting_main_thread(tiny_model):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler, whatever this run inherited (a background job of a
+    shell starts with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_another_thread_took_interrupts_the_waiting_main_thread(tiny_model,
+                                                                         ctrl_c_raises):
     """The kernel may hand a process's SIGINT to any thread; Python raises it only on the
     main thread. Here the driver thread takes it (sent to itself once the request streams):
     the main thread, waiting in `result()`, raises KeyboardInterrupt while the request is
