@@ -335,17 +335,16 @@ class FsPoolWorker(KvConnectorWorker):
         each: per-task overhead is paid under the GIL and would rival a block's read); the
         blocks the host tier holds are one task, whose copies alone run at the H2D limit
         (many threads copying at once were half as fast: measured on an H200)."""
-        files = transfers
-        tasks = []
-        if self._mover is not None:
+        if self._mover is None:
+            tier, files, per_page = [], transfers, 1
+        else:  # whole pages per task
             in_tier = self.tier.contains([shard_key(t.key, *self._shard) for t in transfers])
-            tasks = [[t for t, hit in zip(transfers, in_tier) if hit]]
+            tier = [t for t, hit in zip(transfers, in_tier) if hit]
             files = [t for t, hit in zip(transfers, in_tier) if not hit]
-        step = -(-len(files) // self._num_threads)
-        if self._mover is not None:  # whole pages per task
             per_page = self.tier.blocks_per_page
-            step = -(-step // per_page) * per_page
-        tasks += [files[i:i + step] for i in range(0, len(files), step or 1)]
+        per_thread = -(-len(files) // self._num_threads)
+        step = max(-(-per_thread // per_page) * per_page, 1)
+        tasks = [tier, *(files[i:i + step] for i in range(0, len(files), step))]
         return [task for task in tasks if task]
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
