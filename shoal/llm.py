@@ -61,7 +61,8 @@ class LLM:
             raise TypeError("prompts must be a str, a sequence of token ids, or a list of "
                             f"those, got {type(prompts).__name__}")
         params = _per_prompt(sampling, len(prompts))
-        handles = self._submit([(p, sp, None) for p, sp in zip(prompts, params)], cache_salt)
+        handles = self._submit([(p, sp, None) for p, sp in zip(prompts, params)], cache_salt,
+                               streams=False)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -83,7 +84,7 @@ class LLM:
         The handle has request_id, cancel(), result(timeout=None) and stream()."""
         return self._submit([(prompt, sampling or SamplingParams(), request_id)], cache_salt)[0]
 
-    def _submit(self, items, cache_salt: str | None) -> list[RequestHandle]:
+    def _submit(self, items, cache_salt: str | None, streams: bool = True) -> list[RequestHandle]:
         """(prompt, sampling, request_id) items, added to the engine in one go; all are
         validated first (TypeError/ValueError naming the field: nothing is added then)."""
         engine = self.engine  # raises once shut down
@@ -94,7 +95,7 @@ class LLM:
             new = NewRequest(ids, sp, rid, text, cache_salt)
             new.check_vocab(engine.info.vocab_size)
             requests.append(new)
-        return self._driver.submit(requests)
+        return self._driver.submit(requests, streams)
 
     def chat(self, messages_list: Sequence[dict] | Sequence[Sequence[dict]],
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from shoal import LLM, SamplingParams
+from shoal.request import NewRequest
 from tests.conftest import random_prompts
 
 
@@ -44,3 +45,24 @@ def test_a_ctrl_c_another_thread_took_interrupts_the_waiting_main_thread(tiny_mo
         assert not handle.done()  # raised while the request ran
         assert sent == ["shoal-driver"]
     assert handle.result().finish_reason == "cancelled"
+
+
+def test_handles_submitted_without_streaming_keep_only_the_result(tiny_model):
+    """`generate` submits with streams=False: the driver hands those handles no token
+    batches at any step (nothing is queued for a reader that never comes), and their
+    results are the same as those of streamed handles of the same prompts."""
+    prompts = random_prompts(512, [5, 9, 13], seed=4)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    with LLM(tiny_model, block_size=4, num_kv_blocks=512) as llm:
+        quiet = llm._driver.submit([NewRequest(p, sp) for p in prompts], streams=False)
+        streamed = [llm.submit(p, sp) for p in prompts]
+        outs = [h.result() for h in quiet]
+        assert [o.token_ids for o in outs] == [h.result().token_ids for h in streamed]
+        assert [list(h.stream()) for h in streamed] == [o.token_ids for o in outs]
+        assert all(not h._tokens for h in quiet)  # no batch was ever queued for them
+        for h in quiet:
+            with pytest.raises(RuntimeError, match="without streaming"):
+                next(h.stream())
+            with pytest.raises(RuntimeError, match="without streaming"):
+                h.subscribe(lambda token_ids, logprobs: None)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in outs]

@@ -36,10 +36,15 @@ log = logging.getLogger(__name__)
 SIGNAL_POLL_SECONDS = 0.1
 
 
+def _wakes_for_ctrl_c(timeout: float | None) -> bool:
+    """An untimed wait on the main thread: it must wake every SIGNAL_POLL_SECONDS."""
+    return timeout is None and threading.current_thread() is threading.main_thread()
+
+
 def result_of(fut: Future, timeout: float | None = None):
     """`fut.result(timeout)`; on the main thread an untimed wait wakes every
     SIGNAL_POLL_SECONDS, so a Ctrl-C is raised here at once, whichever thread took it."""
-    if timeout is not None or threading.current_thread() is not threading.main_thread():
+    if not _wakes_for_ctrl_c(timeout):
         return fut.result(timeout)
     while True:
         try:
@@ -49,28 +54,23 @@ def result_of(fut: Future, timeout: float | None = None):
                 raise
 
 
-def _wait_on(cond: threading.Condition) -> None:
-    """`cond.wait()` (the caller holds it), woken as `result_of` is on the main thread."""
-    cond.wait(SIGNAL_POLL_SECONDS if threading.current_thread() is threading.main_thread()
-              else None)
-
-
 _END = object()  # a stream's last item
 
 
 class RequestHandle:
     """One submitted request."""
 
-    def __init__(self, driver: Driver, request_id: str):
+    def __init__(self, driver: Driver, request_id: str, streams: bool = True):
         self._driver = driver
         self.request_id = request_id
+        # False: only the result is wanted (generate), the driver hands it no token batches
+        self.streams = streams
         self._future: Future = Future()
         # (token_ids, logprobs) batches, then _END; a deque and a condition rather than a
         # queue.Queue: the driver pushes to every live request each step
         self._tokens: deque = deque()
         self._lock = threading.Condition(threading.Lock())  # the batches, and a subscriber taking over
         self._callback: Callable[[list[int] | None, list | None], None] | None = None
-        self._num_waiting = 0  # stream() callers waiting on the condition
 
     def cancel(self) -> None:
         """End the request as "cancelled": at once, or (with a pending KV transfer) once the
@@ -87,14 +87,11 @@ class RequestHandle:
 
     def stream(self) -> Iterator[int]:
         """Generated token ids as they are produced (each once), ending with the request."""
+        self._check_streams()
         while True:
             with self._lock:
                 while not self._tokens:
-                    self._num_waiting += 1
-                    try:
-                        _wait_on(self._lock)
-                    finally:
-                        self._num_waiting -= 1
+                    self._lock.wait(SIGNAL_POLL_SECONDS if _wakes_for_ctrl_c(None) else None)
                 item = self._tokens.popleft()
             if item is _END:
                 self._future.result()  # raise the engine's error, if that is how it ended
@@ -109,11 +106,17 @@ class RequestHandle:
         the call are delivered here, at once; later ones on the driver thread, so the
         callback must be quick and thread-safe (e.g. `loop.call_soon_threadsafe`). An
         exception it raises is logged and never reaches the engine."""
+        self._check_streams()
         with self._lock:
             while self._tokens:
                 item = self._tokens.popleft()
                 _call(callback, *((None, None) if item is _END else item))
             self._callback = callback
+
+    def _check_streams(self) -> None:
+        if not self.streams:
+            raise RuntimeError(f"request {self.request_id} was submitted without streaming: "
+                               "only its result() is kept")
 
     def _push(self, token_ids: list[int], logprobs: list | None = None) -> None:
         with self._lock:
@@ -121,10 +124,11 @@ class RequestHandle:
                 _call(self._callback, token_ids, logprobs)
             else:
                 self._tokens.append((token_ids, logprobs))
-                if self._num_waiting:  # most requests are never streamed (generate)
-                    self._lock.notify()
+                self._lock.notify()  # no-op unless a stream() waits
 
     def _end(self) -> None:
+        if not self.streams:
+            return  # nobody reads its batches: result() is all
         with self._lock:
             if self._callback is not None:
                 _call(self._callback, None, None)
@@ -191,11 +195,13 @@ class Driver:
             self._idle.set()
         return fut
 
-    def submit(self, requests: list[NewRequest]) -> list[RequestHandle]:
+    def submit(self, requests: list[NewRequest], streams: bool = True) -> list[RequestHandle]:
         """Add the requests on the driver thread, all before the next step; the handles come
-        back at once (an invalid request id raises here)."""
+        back at once (an invalid request id raises here). `streams=False`: only the results
+        are wanted, so no step hands these handles their new tokens (per-request work on
+        the driver thread at every step, for batches of hundreds)."""
         self.start()
-        return result_of(self.run_soon(lambda engine: self._add_all(engine, requests)))
+        return result_of(self.run_soon(lambda engine: self._add_all(engine, requests, streams)))
 
     def stop(self) -> None:
         """Drain and shut the engine down as the driver's last operation; end the thread.
@@ -221,7 +227,7 @@ class Driver:
         if self._thread is None:
             self._raise_if_failed()
             return not self.engine.has_work
-        if timeout is None and threading.current_thread() is threading.main_thread():
+        if _wakes_for_ctrl_c(timeout):
             while not self._idle.wait(SIGNAL_POLL_SECONDS):  # as result_of: takes a Ctrl-C
                 pass
         is_idle = self._idle.wait(timeout)
@@ -250,20 +256,21 @@ class Driver:
 
     # -- the driver thread -------------------------------------------------------------
 
-    def _add_all(self, engine: EngineLike, requests: list[NewRequest]) -> list[RequestHandle]:
+    def _add_all(self, engine: EngineLike, requests: list[NewRequest],
+                 streams: bool) -> list[RequestHandle]:
         """All or nothing: if one is refused, those added before it are cancelled."""
         handles = []
         try:
             for r in requests:
-                handles.append(self._track(engine.add(r)))
+                handles.append(self._track(engine.add(r), streams))
         except BaseException:
             for h in handles:  # their handles end unseen, as "cancelled"
                 engine.cancel(h.request_id)
             raise
         return handles
 
-    def _track(self, request_id: str) -> RequestHandle:
-        handle = RequestHandle(self, request_id)
+    def _track(self, request_id: str, streams: bool) -> RequestHandle:
+        handle = RequestHandle(self, request_id, streams)
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -313,7 +320,7 @@ class Driver:
                 return
             for rid, token_ids in result.new_tokens.items():
                 handle = self._handles.get(rid)
-                if handle is not None:
+                if handle is not None and handle.streams:
                     handle._push(token_ids, result.new_logprobs.get(rid))  # a fresh list
             for out in result.finished:
                 handle = self._handles.pop(out.request_id, None)
