@@ -277,3 +277,31 @@ def test_bad_fs_options_fail_at_bring_up(tiny_model, tmp_path):
                             ({"root": str(tmp_path), "colour": 1}, "unknown options")]:
         with pytest.raises(ValueError, match=needle):
             LLM(tiny_model, kv_connector=ConnectorConfig(name="fs", options=options), **KW)
+
+
+@pytest.fixture
+def one_cpu():
+    """This process runs on one CPU for the test (its affinity restored after)."""
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    yield
+    os.sched_setaffinity(0, cpus)
+
+
+def test_io_threads_default_to_no_more_than_the_usable_cpus(tmp_path, one_cpu):
+    """Every read is verified on a CPU: more I/O threads than cores only contend. An
+    explicit io_threads is kept as given."""
+    from shoal.connectors.fs.connector import open_pool
+    root = str(tmp_path / "pool")
+    assert open_pool(ConnectorConfig(name="fs", options={"root": root})).io_threads == 1
+    assert open_pool(ConnectorConfig(name="fs", options={"root": root}), "cuda").io_threads == 1
+    given = ConnectorConfig(name="fs", options={"root": root, "io_threads": 6})
+    assert open_pool(given).io_threads == 6
+
+
+def test_io_threads_default_to_4_on_cpu_and_8_on_gpu_where_cores_allow(tmp_path):
+    from shoal.connectors.fs.connector import open_pool
+    cores = len(os.sched_getaffinity(0))
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path / "pool")})
+    assert open_pool(cfg).io_threads == min(4, cores)
+    assert open_pool(cfg, "cuda").io_threads == min(8, cores)

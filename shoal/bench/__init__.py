@@ -17,7 +17,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp)
     if args.bench == "pool-io":
         from shoal.bench.pool_io import run_pool_io
-        threads = args.threads or (8 if args.device.startswith("cuda") else 4)
+        from shoal.connectors.fs.connector import default_io_threads
+        threads = args.threads or default_io_threads(args.device.startswith("cuda"))
         return run_pool_io(args.num_blocks, threads, args.rounds, args.device)
     if args.bench == "adp":
         from shoal.bench.adp import run_adp

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads")
     io.add_argument("--num-blocks", type=int, default=256)
     io.add_argument("--threads", type=int, help="I/O threads (default: the fs connector's, "
-                    "4 on a CPU, 8 with --device cuda)")
+                    "4 on a CPU, 8 with --device cuda, at most the usable CPUs)")
     io.add_argument("--device", default="cpu", help="cpu, or cuda: GPU blocks of Llama-3.2-1B's "
                     "shape, through the host tier")
     io.add_argument("--rounds", type=int, default=3)
