@@ -62,7 +62,7 @@ def test_handles_submitted_without_streaming_keep_only_the_result(tiny_model):
         assert all(not h._tokens for h in quiet)  # no batch was ever queued for them
         for h in quiet:
             with pytest.raises(RuntimeError, match="without streaming"):
-                next(h.stream())
+                h.stream()
             with pytest.raises(RuntimeError, match="without streaming"):
                 h.subscribe(lambda token_ids, logprobs: None)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in outs]

@@ -279,29 +279,17 @@ def test_bad_fs_options_fail_at_bring_up(tiny_model, tmp_path):
             LLM(tiny_model, kv_connector=ConnectorConfig(name="fs", options=options), **KW)
 
 
-@pytest.fixture
-def one_cpu():
-    """This process runs on one CPU for the test (its affinity restored after)."""
-    cpus = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(cpus)})
-    yield
-    os.sched_setaffinity(0, cpus)
-
-
-def test_io_threads_default_to_no_more_than_the_usable_cpus(tmp_path, one_cpu):
-    """Every read is verified on a CPU: more I/O threads than cores only contend. An
+@pytest.mark.parametrize("cpus, on_cpu, on_gpu", [(1, 1, 1), (2, 2, 2), (6, 4, 6),
+                                                   (16, 4, 8)])
+def test_io_threads_default_to_no_more_than_the_usable_cpus(tmp_path, monkeypatch, cpus,
+                                                             on_cpu, on_gpu):
+    """Every read is verified on a CPU: more I/O threads than cores only contend. The
+    default is 4 (8 for a KV cache on a GPU) within the CPUs the process may use; an
     explicit io_threads is kept as given."""
     from shoal.connectors.fs.connector import open_pool
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     root = str(tmp_path / "pool")
-    assert open_pool(ConnectorConfig(name="fs", options={"root": root})).io_threads == 1
-    assert open_pool(ConnectorConfig(name="fs", options={"root": root}), "cuda").io_threads == 1
+    assert open_pool(ConnectorConfig(name="fs", options={"root": root})).io_threads == on_cpu
+    assert open_pool(ConnectorConfig(name="fs", options={"root": root}), "cuda").io_threads == on_gpu
     given = ConnectorConfig(name="fs", options={"root": root, "io_threads": 6})
     assert open_pool(given).io_threads == 6
-
-
-def test_io_threads_default_to_4_on_cpu_and_8_on_gpu_where_cores_allow(tmp_path):
-    from shoal.connectors.fs.connector import open_pool
-    cores = len(os.sched_getaffinity(0))
-    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path / "pool")})
-    assert open_pool(cfg).io_threads == min(4, cores)
-    assert open_pool(cfg, "cuda").io_threads == min(8, cores)

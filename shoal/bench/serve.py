@@ -1,6 +1,6 @@
 """`shoal bench serve`: a shared-prefix workload against `shoal serve` from N concurrent
 clients, with the pool off, on (cold), and after a restart on the warm pool; and the same
-requests through the library (`LLM.submit`, what `generate` runs) for the server's cost.
+requests through the library (`LLM.submit` and its streams) for the server's cost.
 
 Workload (deterministic): `docs` long documents (about `doc_tokens` tokens each) with
 `questions` questions each (a system message holding the document, a short user question),

@@ -87,7 +87,10 @@ class RequestHandle:
 
     def stream(self) -> Iterator[int]:
         """Generated token ids as they are produced (each once), ending with the request."""
-        self._check_streams()
+        self._check_streams()  # here, not at the first next()
+        return self._stream()
+
+    def _stream(self) -> Iterator[int]:
         while True:
             with self._lock:
                 while not self._tokens:
