@@ -107,6 +107,28 @@ def test_header_roundtrip_and_strictness():
             pf.parse_header(bytes(broken))
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 128, 129, 4096])
+def test_a_short_write_is_continued_never_published_short(tmp_path, monkeypatch, chunk):
+    """A write may take fewer bytes than asked (a signal, a disk filling up): the writer
+    goes on where it stopped, and the published file reads back whole and verified."""
+    real_writev = os.writev
+    calls = []
+
+    def short_writev(fd, buffers):  # at most `chunk` bytes per call
+        flat = b"".join(bytes(b) for b in buffers)[:chunk]
+        calls.append(len(flat))
+        return real_writev(fd, [flat])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    key = os.urandom(32)
+    assert pf.write_block(tmp_path, NS, key, memoryview(payload(key, 3)), SHAPE, torch.float32)
+    monkeypatch.undo()
+    assert sum(calls) == pf.HEADER_SIZE + NBYTES and len(calls) > 1
+    dest = bytearray(NBYTES)
+    pf.read_block_into(tmp_path, NS, key, memoryview(dest), SHAPE, torch.float32)
+    assert dest == payload(key, 3)
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 240, 241, 1023, 1025, 1 << 14, (1 << 14) + 1,
                                     737_280 + 3])
 def test_checksum_is_xxh3_64_whichever_entry_computes_it(nbytes):

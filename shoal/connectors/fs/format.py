@@ -338,9 +338,10 @@ def _publish(dir_fd: int, name: str, header: bytes, payload: memoryview) -> bool
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE,
                      dir_fd=dir_fd)
-        with open(fd, "wb", buffering=0) as f:
-            f.write(header)
-            f.write(payload)
+        try:
+            _write_all(fd, [memoryview(header), memoryview(payload).cast("B")])
+        finally:
+            os.close(fd)
         try:  # atomic and never replaces an existing file
             os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:
@@ -351,6 +352,20 @@ def _publish(dir_fd: int, name: str, header: bytes, payload: memoryview) -> bool
             os.unlink(tmp, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    """All of `buffers` with one writev in the common case; a short write (a signal, a
+    disk filling up) continues where it stopped, so a published file is never short."""
+    while buffers:
+        n = os.writev(fd, buffers)
+        if n == 0:
+            raise OSError(errno.EIO, "write wrote nothing")
+        while buffers and n >= len(buffers[0]):
+            n -= len(buffers[0])
+            buffers = buffers[1:]
+        if n:
+            buffers = [buffers[0][n:], *buffers[1:]]
 
 
 def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
