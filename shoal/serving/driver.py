@@ -91,10 +91,11 @@ class RequestHandle:
         return self._stream()
 
     def _stream(self) -> Iterator[int]:
+        wait = SIGNAL_POLL_SECONDS if _wakes_for_ctrl_c(None) else None
         while True:
             with self._lock:
                 while not self._tokens:
-                    self._lock.wait(SIGNAL_POLL_SECONDS if _wakes_for_ctrl_c(None) else None)
+                    self._lock.wait(wait)
                 item = self._tokens.popleft()
             if item is _END:
                 self._future.result()  # raise the engine's error, if that is how it ended
@@ -233,7 +234,9 @@ class Driver:
         if _wakes_for_ctrl_c(timeout):
             while not self._idle.wait(SIGNAL_POLL_SECONDS):  # as result_of: takes a Ctrl-C
                 pass
-        is_idle = self._idle.wait(timeout)
+            is_idle = True
+        else:
+            is_idle = self._idle.wait(timeout)
         self._raise_if_failed()
         return is_idle
 
