@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 
 EXIT_RUNTIME_ERROR = 1
@@ -164,13 +165,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _end_progress_bars() -> None:
     """Close the progress bars still drawn, so the line after them starts a line of its own
-    (a Ctrl-C may land while a bar is being made, before `generate` can close it)."""
+    (a Ctrl-C may land while a bar is being made, before `generate` can close it). A bar
+    interrupted inside its own constructor is drawn but in no list: the line it may hold is
+    blanked with a carriage return, as tqdm redraws."""
     tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        return  # no bar was ever drawn
     for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
         try:
             bar.close()
         except Exception:  # a bar interrupted half made: nothing more to draw
             pass
+    width = shutil.get_terminal_size().columns
+    print("\r" + " " * (width - 1) + "\r", end="", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
