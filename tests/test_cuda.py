@@ -231,6 +231,81 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
     assert stats["corrupt_blocks"] == 1 and stats["load_failures_recomputed"] == 1
 
 
+@pytest.mark.parametrize("nbytes", [248, 256, 1024, 1032, 4160, 12344, 1 << 19])
+def test_gpu_checksum_is_xxh3(nbytes):
+    """The GPU's checksum of KV rows is bit for bit xxhash's XXH3-64, for rows picked in any
+    order; a wrong expected value is flagged, the others pass."""
+    import os
+
+    import numpy as np
+    import xxhash
+
+    from shoal.connectors.fs import gpu_xxh3
+
+    rows = np.frombuffer(os.urandom(5 * nbytes), dtype=np.int64).reshape(5, nbytes // 8)
+    want = [xxhash.xxh3_64_intdigest(rows[i].tobytes()) for i in range(5)]
+    ids = [3, 0, 4, 1]
+    expected = [gpu_xxh3.signed(want[i]) for i in ids]
+    expected[2] ^= 1 << 40
+    hashes, ok = gpu_xxh3.verify_rows(torch.from_numpy(rows.copy()).cuda(),
+                                      torch.tensor(ids, device="cuda"),
+                                      torch.tensor(expected, device="cuda"))
+    assert [h % (1 << 64) for h in hashes.tolist()] == [want[i] for i in ids]
+    assert ok.tolist() == [1, 1, 0, 1]
+
+
+def test_loads_verified_on_the_gpu(tiny_models, tmp_path):
+    """Files read without the CPU's hash and verified on the GPU after the copy: a fresh
+    engine gives the no-pool tokens; a flipped payload byte in two files is caught there
+    (quarantined, recomputed and saved again whole, same tokens); a request cancelled
+    while its load may be in flight leaves every block accounted for (check_integrity)."""
+    from shoal.connectors import ConnectorConfig
+    from shoal.connectors.fs import format as pf
+
+    path = str(tiny_models["gqa_tied"])
+    prompts = random_prompts(512, [85, 70, 121], seed=7)
+    kw = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256,
+              enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    with LLM(path, **kw) as llm:
+        expected = reference(llm, prompts, sp)
+    pool = tmp_path / "pool"
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool)})
+    with LLM(path, kv_connector=cfg, **kw) as llm:
+        assert_same_greedy(expected, llm.generate(prompts, sp))
+    with LLM(path, kv_connector=cfg, **kw) as llm:
+        assert llm.engine.transfers.calls.worker._mover.verifies
+        outs = llm.generate(prompts, sp)
+        llm.check_integrity()
+        stats = llm.stats()
+    assert_same_greedy(expected, outs)
+    assert [o.num_connector_tokens for o in outs] == [84, 68, 120]
+    assert stats["blocks_loaded"] == 68 and stats["corrupt_blocks"] == 0
+    victims = sorted(pf.iter_block_files(pool))[:2]
+    corrupted = []
+    for v in victims:
+        data = bytearray(v.read_bytes())
+        data[-3] ^= 0x10
+        v.write_bytes(bytes(data))
+        corrupted.append(bytes(data))
+    with LLM(path, kv_connector=cfg, **kw) as llm:
+        outs = llm.generate(prompts, sp)
+        llm.check_integrity()
+        stats = llm.stats()
+    assert_same_greedy(expected, outs)
+    assert stats["corrupt_blocks"] == 2 and stats["load_failures_recomputed"] >= 1
+    assert len(list((pool / "quarantine").iterdir())) == 2
+    # set aside, recomputed and saved again whole
+    assert [v.read_bytes() != c for v, c in zip(victims, corrupted)] == [True, True]
+    with LLM(path, kv_connector=cfg, **kw) as llm:  # cancel while loads are in flight
+        handles = [llm.submit(p, sp) for p in prompts]
+        handles[1].cancel()
+        outs = [h.result() for h in handles]
+        llm.check_integrity()
+    assert outs[1].finish_reason == "cancelled" or outs[1].token_ids == expected[1].token_ids
+    assert_same_greedy([expected[0], expected[2]], [outs[0], outs[2]])
+
+
 def test_bench_pool_io_on_cuda():
     """`shoal bench pool-io --device cuda`: GPU blocks through the host tier (the bench
     asserts the loaded bytes, from files and from the tier, equal the saved ones)."""

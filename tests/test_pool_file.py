@@ -81,6 +81,28 @@ def test_never_overwrites(tmp_path):
     assert dest == payload(key, 1)
 
 
+def test_a_read_left_to_its_caller_to_verify(tmp_path):
+    """verify=False (a GPU checks the bytes after its copy): the payload is read and the
+    header's checksum returned, corrupt or not; every header field is still checked."""
+    key = os.urandom(32)
+    data = payload(key, 1)
+    pf.write_block(tmp_path, NS, key, memoryview(data), SHAPE, torch.float32)
+    path = pf.block_path(tmp_path, key)
+    raw = bytearray(path.read_bytes())
+    raw[pf.HEADER_SIZE + 100] ^= 0x04
+    path.write_bytes(bytes(raw))
+    dest = bytearray(NBYTES)
+    got = pf.read_block_into(tmp_path, NS, key, memoryview(dest), SHAPE, torch.float32,
+                             verify=False)
+    assert got == pf.checksum(memoryview(data)) != pf.checksum(memoryview(dest))
+    assert dest == raw[pf.HEADER_SIZE:]
+    with pytest.raises(pf.CorruptBlock, match="checksum"):
+        pf.read_block_into(tmp_path, NS, key, memoryview(dest), SHAPE, torch.float32)
+    with pytest.raises(pf.CorruptBlock, match="namespace"):
+        pf.read_block_into(tmp_path, b"x" * 32, key, memoryview(dest), SHAPE, torch.float32,
+                           verify=False)
+
+
 @pytest.mark.parametrize("expect, kwargs", [
     ("namespace", dict(namespace=b"x" * 32)), ("shape", dict(shape=(2, 2, 4, 1, 32))),
     ("shape", dict(dtype=torch.float16)), ("length", dict(dest_len=NBYTES - 4)),

@@ -15,8 +15,9 @@ across restarts (format and publish protocol: format.py). Options:
                     are kept; 0 on a CPU, where blocks are read straight into the cache)
 
 With a GPU cache (or a host tier) blocks move through pinned host pages, a page at a
-time, with copies on side streams (paged_io.py); on a CPU without a tier they are read
-straight into, and written straight from, the KV cache's memory.
+time, with copies on side streams (paged_io.py); on a GPU the blocks read from files are
+verified there, after the copy (gpu_xxh3.py), where Triton is present. On a CPU without a
+tier they are read straight into, and written straight from, the KV cache's memory.
 
 Only full prompt blocks move (the engine's `block_keys`). A block is saved by the step
 that completes it, unless the pool has it already; a request's load covers the longest
@@ -314,6 +315,7 @@ class FsPoolWorker(KvConnectorWorker):
             self._block_bytes = []
             if self._mover.is_cuda:
                 self._start_io_threads()
+                self._mover.warm_up()
         else:  # byte views of every block, made once: loads read straight into block memory
             self._block_bytes = [_bytes_of(self.kv[i]) for i in range(len(self.kv))]
 
@@ -326,6 +328,7 @@ class FsPoolWorker(KvConnectorWorker):
         def start() -> None:
             ready.wait()
             self._mover.prepare_thread()
+
         for f in [self._io.submit(start) for _ in range(self._num_threads)]:
             f.result()
 
@@ -448,35 +451,49 @@ class FsPoolWorker(KvConnectorWorker):
     def _load_blocks(self, transfers: list[BlockTransfer]) -> None:
         start = time.perf_counter()
         if self._mover is None:
-            ok = sum(self._read_block(t, self._block_bytes[t.block_id]) for t in transfers)
-        else:  # blocks not read came from the tier
+            ok = sum(self._read_block(t, self._block_bytes[t.block_id]) is not None
+                     for t in transfers)
+        else:  # through pages: blocks not read came from the tier
             failed = []
 
-            def read(i: int, dest: memoryview) -> bool:
-                if self._read_block(transfers[i], dest):
-                    return True
+            def read(i: int, dest: memoryview) -> int | None:
+                checksum = self._read_block(transfers[i], dest, verify=not self._mover.verifies)
+                if checksum is None:
+                    failed.append(i)
+                return checksum
+
+            def corrupt(i: int) -> None:  # failed the GPU's verification
                 failed.append(i)
-                return False
+                key = shard_key(transfers[i].key, *self._shard)
+                self._set_aside(key, pf.block_path_str(self._root_str, key),
+                                pf.CorruptBlock("checksum", "payload checksum mismatch"))
+                self._record_failure(transfers[i], "corrupt_blocks")
             self._mover.load([shard_key(t.key, *self._shard) for t in transfers],
-                             [t.block_id for t in transfers], read)
+                             [t.block_id for t in transfers], read, corrupt)
             ok = len(transfers) - len(failed)
         with self._lock:
             self._stats["bytes_loaded"] += ok * self.layout.block_nbytes
             self._stats["blocks_loaded"] += ok
             self._stats["load_seconds"] += time.perf_counter() - start
 
-    def _read_block(self, t: BlockTransfer, dest: memoryview) -> bool:
-        """Read and verify block `t`'s file into `dest`; False (failure recorded, a corrupt
-        file set aside) if it is missing, unreadable or fails verification."""
+    def _read_block(self, t: BlockTransfer, dest: memoryview, verify: bool = True) -> int | None:
+        """Read block `t`'s file into `dest`, verified unless `verify` is False (then the
+        caller verifies it); the header's checksum of the payload, or None (the failure
+        recorded, a corrupt file set aside) if it is missing, unreadable or fails."""
+        return self._guarded_read(t, lambda key: pf.read_block_into(
+            self.root, self.namespace, key, dest, self.block_shape, self.dtype,
+            touch_after=self._touch_after, dirs=self._dirs, verify=verify))
+
+    def _guarded_read(self, t: BlockTransfer, read):
+        """read(key of t's shard): its result, or None (the failure recorded, a corrupt
+        file set aside) if the file is missing, unreadable or fails verification."""
         key = shard_key(t.key, *self._shard)
         path = pf.block_path_str(self._root_str, key)
         if path in UNUSABLE_FILES:  # corrupt, and still there: never read again
             self._record_failure(t, "missing_blocks")
-            return False
+            return None
         try:
-            pf.read_block_into(self.root, self.namespace, key, dest, self.block_shape,
-                               self.dtype, touch_after=self._touch_after, dirs=self._dirs)
-            return True
+            return read(key)
         except pf.BlockMissing:
             self._record_failure(t, "missing_blocks")
         except pf.CorruptBlock as e:
@@ -485,7 +502,7 @@ class FsPoolWorker(KvConnectorWorker):
         except OSError as e:
             log.warning("pool block %s could not be read: %s", key.hex(), e)
             self._record_failure(t, "missing_blocks")
-        return False
+        return None
 
     def _set_aside(self, key: bytes, path: str, error: pf.CorruptBlock) -> None:
         """Quarantine a corrupt file; one that cannot be moved (a read-only pool, quarantine/

@@ -370,38 +370,49 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
 
 def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
                     shape: tuple[int, ...], dtype: torch.dtype,
-                    touch_after: float | None = None, dirs: BlockDirs | None = None) -> str:
+                    touch_after: float | None = None, dirs: BlockDirs | None = None,
+                    verify: bool = True) -> int:
     """Read a block's payload straight into `dest` and verify it. Raises BlockMissing (also
     for a link or special file: never followed or read) or CorruptBlock (then `dest` holds
     garbage the caller must not use). touch_after: refresh the file's mtime (LRU) if it is
-    older than this many seconds. `dirs`: directory fds to reuse. Returns the path. Past
-    the directory opens (none with `dirs`): open, fstat, one preadv for header and payload
-    together, close."""
+    older than this many seconds. `dirs`: directory fds to reuse. verify=False: every
+    header field is checked but the payload is not hashed (the caller verifies it against
+    the returned value: a GPU does, after its copy). Returns the header's checksum of the
+    payload. Past the directory opens (none with `dirs`): open, fstat, one preadv for
+    header and payload together, close."""
     h = key.hex()
     fd, st = _open_block(root, h) if dirs is None else _open_block_in(dirs, h)
     try:
         size = st.st_size
         header_buf = bytearray(HEADER_SIZE)
         n = os.preadv(fd, [header_buf, dest], 0) if size >= HEADER_SIZE else size
-        header = parse_header(bytes(header_buf[:min(n, HEADER_SIZE)]))
-        if header.namespace != namespace:
-            raise CorruptBlock("namespace", "written by another model/layout")
-        if header.key != key:
-            raise CorruptBlock("key", "header key differs from the file name")
-        if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
-            raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
-        if header.payload_len != dest.nbytes:
-            raise CorruptBlock("length", f"{header.payload_len} != {dest.nbytes}")
-        if size != HEADER_SIZE + dest.nbytes:
-            reason = "truncated" if size < HEADER_SIZE + dest.nbytes else "length"
-            raise CorruptBlock(reason, f"file of {size} bytes")
-        if checksum(dest) != header.checksum:
+        header = _checked_header(bytes(header_buf[:min(n, HEADER_SIZE)]), size, namespace,
+                                 key, shape, dtype, dest.nbytes)
+        if verify and checksum(dest) != header.checksum:
             raise CorruptBlock("checksum", "payload checksum mismatch")
         if touch_after is not None and time.time() - st.st_mtime > touch_after:
             _touch(fd)
     finally:
         os.close(fd)
-    return block_path_str(str(root), key)
+    return header.checksum
+
+
+def _checked_header(buf: bytes, size: int, namespace: bytes, key: bytes,
+                    shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> BlockHeader:
+    """The header of a file of `size` bytes, checked against what the reader expects."""
+    header = parse_header(buf)
+    if header.namespace != namespace:
+        raise CorruptBlock("namespace", "written by another model/layout")
+    if header.key != key:
+        raise CorruptBlock("key", "header key differs from the file name")
+    if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
+        raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
+    if header.payload_len != nbytes:
+        raise CorruptBlock("length", f"{header.payload_len} != {nbytes}")
+    if size != HEADER_SIZE + nbytes:
+        reason = "truncated" if size < HEADER_SIZE + nbytes else "length"
+        raise CorruptBlock(reason, f"file of {size} bytes")
+    return header
 
 
 def _open_block(root: Path, h: str) -> tuple[int, os.stat_result]:

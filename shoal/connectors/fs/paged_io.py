@@ -4,10 +4,14 @@ The path for a KV cache on a GPU (and for a CPU cache when a host tier is config
 Blocks move a chunk at a time, a chunk being up to one page of blocks:
 
 Load (on an I/O thread): the chunk's blocks held by the tier are found there; the others
-are read from their files into the slots of a fresh page and verified there (checksums
-off the GIL: the I/O threads verify in parallel). Then, on the thread's own CUDA stream,
-each run of consecutive slots goes to a device staging buffer in one host-to-device
-copy, and one `index_copy_` places the rows into their KV blocks; an event marks the end.
+are read from their files into the slots of a fresh page. Then, on the thread's own CUDA
+stream, each run of consecutive slots goes to a device staging buffer in one
+host-to-device copy, the rows read from files are verified there (gpu_xxh3.py: the
+header's XXH3-64, computed by the GPU; where Triton is absent, the CPU verifies each file
+as it reads it, off the GIL), and one `index_copy_` places the rows into their KV blocks;
+an event marks the end. A row that fails the GPU's check is placed all the same and
+reported (`corrupt`): a failed load is recomputed before its KV is read, as on every
+path; only verified rows become tier entries.
 The thread reads the next chunk while the copy runs, waits for an event before it lets
 go of the pages behind it, and returns only when every copy has ended: a finished task
 means the KV is in place (the engine's poll stays a `Future.done()`), and a cancelled
@@ -28,15 +32,20 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from shoal.connectors.fs import gpu_xxh3
 from shoal.connectors.fs.host_tier import HostTier
 
 IN_FLIGHT_CHUNKS = 2  # a load task's chunks whose copies may run while it reads the next
 
-ReadFn = Callable[[int, memoryview], bool]  # (block index in the task, dest) -> verified
+# (block index in the task, dest) -> the header's checksum of what was read into dest, or
+# None if the block is not usable (verified already unless the mover `verifies`)
+ReadFn = Callable[[int, memoryview], "int | None"]
+CorruptFn = Callable[[int], None]  # (block index in the task): it failed the GPU's check
 WriteFn = Callable[[int, memoryview], bool]  # (block index in the task, bytes) -> published
 
 
@@ -50,47 +59,63 @@ class PagedMover:
         self.tier = tier
         self.device = kv.device
         self.is_cuda = kv.is_cuda
+        # the GPU checks what is read (the reads then skip the CPU's hash)
+        self.verifies = (self.is_cuda and self.word == torch.int64 and gpu_xxh3.available()
+                         and gpu_xxh3.supports(tier.block_nbytes))
         self._local = threading.local()  # per thread: its stream and device staging
 
     # -- loads (I/O threads) --------------------------------------------------------------
 
-    def load(self, keys: list[bytes], block_ids: list[int], read: ReadFn) -> None:
-        """Bring blocks `keys[i]` into KV block `block_ids[i]`; `read(i, dest)` reads and
-        verifies block i's file into `dest` (False: not usable, the block is left as is).
-        Returns once every copy has ended."""
+    def load(self, keys: list[bytes], block_ids: list[int], read: ReadFn,
+             corrupt: CorruptFn) -> None:
+        """Bring blocks `keys[i]` into KV block `block_ids[i]`; `read(i, dest)` reads block
+        i's file into `dest` (None: not usable, the block is left as is). If the mover
+        `verifies`, the GPU checks each read block against read's checksum and calls
+        `corrupt(i)` for one that fails. Returns once every copy has ended."""
         per = self.tier.blocks_per_page
-        in_flight: deque[tuple[torch.cuda.Event | None, list[int]]] = deque()
+        in_flight: deque[_Chunk] = deque()
         try:
             for first in range(0, len(keys), per):
                 in_flight.append(self._load_chunk(keys[first:first + per],
                                                   block_ids[first:first + per], read, first,
-                                                  in_flight))
+                                                  in_flight, corrupt))
                 while len(in_flight) > IN_FLIGHT_CHUNKS:
-                    self._finish(*in_flight.popleft())
+                    self._finish(in_flight.popleft(), corrupt)
         finally:
             while in_flight:
-                self._finish(*in_flight.popleft())
+                self._finish(in_flight.popleft(), corrupt)
 
-    def _load_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque):
+    def _load_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque,
+                    corrupt: CorruptFn) -> _Chunk:
         tier = self.tier
         where, pages, misses = self._find(keys)
+        to_check: list[tuple[int, int]] = []  # (index in the chunk, checksum) to verify
         if misses:
             page = tier.take_page(wait=False)
             if page is None:  # every page held: let go of all of ours, then wait for one
                 for held in pages:
                     tier.release(held)
                 while in_flight:
-                    self._finish(*in_flight.popleft())
+                    self._finish(in_flight.popleft(), corrupt)
                 page = tier.take_page()
                 where, pages, misses = self._find(keys)
             pages.append(page)
             slots = tier.rows(page, 0, len(misses)).numpy()
             for slot, i in enumerate(misses):
-                if read(offset + i, memoryview(slots[slot])):
+                checksum = read(offset + i, memoryview(slots[slot]))
+                if checksum is None:
+                    continue
+                where[i] = (page, slot)
+                if self.verifies:
+                    to_check.append((i, checksum))
+                else:
                     tier.publish(page, slot, keys[i])
-                    where[i] = (page, slot)
         rows = [(w, b) for w, b in zip(where, block_ids) if w is not None]
-        return self._copy_in(rows), pages
+        # the rows read from files, by their place among `rows`
+        position = {i: n for n, i in enumerate(i for i, w in enumerate(where) if w is not None)}
+        checks = [(position[i], c, offset + i, keys[i], where[i]) for i, c in to_check]
+        event, verdicts = self._copy_in(rows, [(p, c) for p, c, *_ in checks])
+        return _Chunk(event, pages, [c[2:] for c in checks], verdicts)
 
     def _find(self, keys: list[bytes]):
         """The tier's slots of `keys` (None: not there), the pages held for the hits (one
@@ -99,14 +124,17 @@ class PagedMover:
         return (where, [w[0] for w in where if w is not None],
                 [i for i, w in enumerate(where) if w is None])
 
-    def _copy_in(self, rows: list[tuple[tuple[int, int], int]]) -> torch.cuda.Event | None:
-        """Copy tier slots into KV blocks: [((page, slot), block id)]."""
+    def _copy_in(self, rows: list[tuple[tuple[int, int], int]], checks: list[tuple[int, int]]
+                 ) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
+        """Copy tier slots into KV blocks: [((page, slot), block id)]; checks: (place in
+        rows, checksum) of the rows the GPU verifies. Returns the copies' event and, for
+        the checks, a pinned int8 tensor (1: verified) that is valid once the event is."""
         if not rows:
-            return None
+            return None, None
         if not self.is_cuda:
             for (page, slot), block in rows:
                 self.kv_rows[block].copy_(self.tier.rows(page, slot, 1)[0].view(self.word))
-            return None
+            return None, None
         # after the forwards launched so far (on the default stream, which is this thread's
         # current one): one may still use these blocks' previous contents (a request
         # preempted while its last step runs frees its blocks at once)
@@ -119,16 +147,34 @@ class PagedMover:
                 staging[n:n + count].copy_(self.tier.rows(page, first, count).view(self.word),
                                            non_blocking=True)
                 n += count
-            self.kv_rows.index_copy_(0, self._to_device([b for _, b in rows]), staging[:n])
+            ids = self._to_device([b for _, b in rows] + [p for p, _ in checks]
+                                  + [gpu_xxh3.signed(c) for _, c in checks])
+            verdicts = None
+            if checks:
+                m = len(checks)
+                _, ok = gpu_xxh3.verify_rows(staging, ids[n:n + m], ids[n + m:])
+                verdicts = torch.empty(m, dtype=torch.int8, pin_memory=True)
+                verdicts.copy_(ok, non_blocking=True)
+            self.kv_rows.index_copy_(0, ids[:n], staging[:n])
             event = torch.cuda.Event()
             event.record(stream)
-        return event
+        return event, verdicts
 
-    def _finish(self, event: torch.cuda.Event | None, pages: list[int]) -> None:
-        if event is not None:
-            event.synchronize()  # releases the GIL while it waits
-        for page in pages:
-            self.tier.release(page)
+    def _finish(self, chunk: _Chunk, corrupt: CorruptFn) -> None:
+        """Wait for a chunk's copies; publish its verified rows to the tier and report
+        the others to `corrupt`."""
+        if chunk.event is not None:
+            chunk.event.synchronize()  # releases the GIL while it waits
+        try:
+            if chunk.checks:
+                for (index, key, (page, slot)), ok in zip(chunk.checks, chunk.verdicts.tolist()):
+                    if ok:
+                        self.tier.publish(page, slot, key)
+                    else:
+                        corrupt(index)
+        finally:
+            for page in chunk.pages:
+                self.tier.release(page)
 
     # -- saves (begun on the executing thread, finished on an I/O thread) ----------------
 
@@ -179,6 +225,15 @@ class PagedMover:
         """Make this thread's stream and staging buffer now (else at its first copy)."""
         self._thread_buffers()
 
+    def warm_up(self) -> None:
+        """Compile (or load from Triton's cache) the GPU check now, at bring-up, rather
+        than in a request's first load (a first compile takes ~0.5 s)."""
+        if self.verifies:
+            row = torch.zeros((1, self.kv_rows.shape[1]), dtype=torch.int64, device=self.device)
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+            gpu_xxh3.verify_rows(row, zero, zero)
+            torch.cuda.synchronize(self.device)
+
     def _thread_buffers(self) -> tuple[torch.cuda.Stream, torch.Tensor]:
         """This thread's side stream and a page-sized device staging buffer (made once,
         on that stream: every use of it is ordered on the stream)."""
@@ -189,6 +244,17 @@ class PagedMover:
                 local.staging = torch.empty((self.tier.blocks_per_page, self.tier.block_nbytes),
                                             dtype=torch.uint8, device=self.device).view(self.word)
         return local.stream, local.staging
+
+
+@dataclass
+class _Chunk:
+    """A load chunk in flight: its copies' event, the pages it holds, and the rows the GPU
+    verifies ((index in the task, key, (page, slot)); their verdicts once the event is)."""
+
+    event: torch.cuda.Event | None
+    pages: list[int]
+    checks: list[tuple[int, bytes, tuple[int, int]]]
+    verdicts: torch.Tensor | None
 
 
 def _runs(where: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
