@@ -231,29 +231,6 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
     assert stats["corrupt_blocks"] == 1 and stats["load_failures_recomputed"] == 1
 
 
-@pytest.mark.parametrize("nbytes", [248, 256, 1024, 1032, 4160, 12344, 1 << 19])
-def test_gpu_checksum_is_xxh3(nbytes):
-    """The GPU's checksum of KV rows is bit for bit xxhash's XXH3-64, for rows picked in any
-    order; a wrong expected value is flagged, the others pass."""
-    import os
-
-    import numpy as np
-    import xxhash
-
-    from shoal.connectors.fs import gpu_xxh3
-
-    rows = np.frombuffer(os.urandom(5 * nbytes), dtype=np.int64).reshape(5, nbytes // 8)
-    want = [xxhash.xxh3_64_intdigest(rows[i].tobytes()) for i in range(5)]
-    ids = [3, 0, 4, 1]
-    expected = [gpu_xxh3.signed(want[i]) for i in ids]
-    expected[2] ^= 1 << 40
-    hashes, ok = gpu_xxh3.verify_rows(torch.from_numpy(rows.copy()).cuda(),
-                                      torch.tensor(ids, device="cuda"),
-                                      torch.tensor(expected, device="cuda"))
-    assert [h % (1 << 64) for h in hashes.tolist()] == [want[i] for i in ids]
-    assert ok.tolist() == [1, 1, 0, 1]
-
-
 def test_loads_verified_on_the_gpu(tiny_models, tmp_path):
     """Files read without the CPU's hash and verified on the GPU after the copy: a fresh
     engine gives the no-pool tokens; a flipped payload byte in two files is caught there

@@ -100,13 +100,15 @@ if triton is not None:
         key = tl.load(consts_ptr + s + lanes[None, :]).to(tl.uint64, bitcast=True)
         scramble = tl.load(consts_ptr + 16 + lanes).to(tl.uint64, bitcast=True)
         acc = tl.load(consts_ptr + 40 + lanes).to(tl.uint64, bitcast=True)
-        for b in tl.range(0, num_blocks):
+        b = 0
+        while b < num_blocks:  # (a while loop: Triton's interpreter takes no such range)
             p = base + b * 128
             d = tl.load(p + here).to(tl.uint64, bitcast=True)
             n = tl.load(p + neighbour).to(tl.uint64, bitcast=True)
             dk = d ^ key
             acc += tl.sum(n + (dk & 0xFFFFFFFF) * (dk >> 32), axis=0)
             acc = ((acc ^ (acc >> 47)) ^ scramble) * 0x9E3779B1
+            b += 1
         p = base + num_blocks * 128  # the last, partial block: no scramble after it
         m = s < tail_stripes
         d = tl.load(p + here, mask=m, other=0).to(tl.uint64, bitcast=True)
