@@ -182,6 +182,37 @@ def test_decode_graphs_with_a_pool_on_cuda(tiny_models, tmp_path):
     assert [o.num_connector_tokens for o in outs] == [32, 16, 0]
 
 
+def _bf16_pool_workload(tiny_models, seed: int):
+    """Three prompts of 68 full 4-token blocks in all on a bfloat16 GQA model: (path,
+    prompts, engine kwargs, sampling, the no-pool outputs, a block's bytes)."""
+    path = str(tiny_models["gqa_tied"])
+    prompts = random_prompts(512, [85, 70, 121], seed=seed)
+    kw = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256,
+              enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    with LLM(path, **kw) as llm:
+        return (path, prompts, kw, sp, reference(llm, prompts, sp),
+                llm.engine.kv_cache.layout.block_nbytes)
+
+
+def _run_checked(path, cfg, kw, prompts, sp, check=lambda llm: True):
+    """A fresh engine on the pool: its outputs and stats, check(llm) true before the run,
+    every block accounted for after it."""
+    with LLM(path, kv_connector=cfg, **kw) as llm:
+        assert check(llm)
+        outs = llm.generate(prompts, sp)
+        llm.check_integrity()
+        return outs, llm.stats()
+
+
+def _flip(path, offset: int, mask: int) -> bytes:
+    """XOR one byte of a file with `mask`; the file's new bytes."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
 @pytest.mark.parametrize("tier", ["roomy", "small"])
 def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
     """bfloat16 KV through pinned pages: a fresh engine reads the files, a repeat comes from
@@ -191,14 +222,7 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
     from shoal.connectors import ConnectorConfig
     from shoal.connectors.fs import format as pf
 
-    path = str(tiny_models["gqa_tied"])
-    prompts = random_prompts(512, [85, 70, 121], seed=5)
-    kw = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256,
-              enable_prefix_caching=False)
-    sp = SamplingParams(max_tokens=10, ignore_eos=True)
-    with LLM(path, **kw) as llm:
-        expected = reference(llm, prompts, sp)
-        block_nbytes = llm.engine.kv_cache.layout.block_nbytes
+    path, prompts, kw, sp, expected, block_nbytes = _bf16_pool_workload(tiny_models, seed=5)
     pool = tmp_path / "pool"
     tier_bytes = 1 << 26 if tier == "roomy" else block_nbytes
     cfg = ConnectorConfig(name="fs", options={"root": str(pool), "host_tier_bytes": tier_bytes})
@@ -219,14 +243,8 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
         assert stats["host_tier_hit_blocks"] == 68
     else:
         assert stats["host_tier_hit_blocks"] <= 36
-    victim = next(iter(pf.iter_block_files(pool)))
-    data = bytearray(victim.read_bytes())
-    data[pf.HEADER_SIZE + 10] ^= 0x01
-    victim.write_bytes(bytes(data))
-    with LLM(path, kv_connector=cfg, **kw) as llm:
-        outs = llm.generate(prompts, sp)
-        llm.check_integrity()
-        stats = llm.stats()
+    _flip(next(iter(pf.iter_block_files(pool))), pf.HEADER_SIZE + 10, 0x01)
+    outs, stats = _run_checked(path, cfg, kw, prompts, sp)
     assert_same_greedy(expected, outs)
     assert stats["corrupt_blocks"] == 1 and stats["load_failures_recomputed"] == 1
 
@@ -239,36 +257,19 @@ def test_loads_verified_on_the_gpu(tiny_models, tmp_path):
     from shoal.connectors import ConnectorConfig
     from shoal.connectors.fs import format as pf
 
-    path = str(tiny_models["gqa_tied"])
-    prompts = random_prompts(512, [85, 70, 121], seed=7)
-    kw = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256,
-              enable_prefix_caching=False)
-    sp = SamplingParams(max_tokens=10, ignore_eos=True)
-    with LLM(path, **kw) as llm:
-        expected = reference(llm, prompts, sp)
+    path, prompts, kw, sp, expected, _ = _bf16_pool_workload(tiny_models, seed=7)
     pool = tmp_path / "pool"
     cfg = ConnectorConfig(name="fs", options={"root": str(pool)})
     with LLM(path, kv_connector=cfg, **kw) as llm:
         assert_same_greedy(expected, llm.generate(prompts, sp))
-    with LLM(path, kv_connector=cfg, **kw) as llm:
-        assert llm.engine.transfers.calls.worker._mover.verifies
-        outs = llm.generate(prompts, sp)
-        llm.check_integrity()
-        stats = llm.stats()
+    outs, stats = _run_checked(path, cfg, kw, prompts, sp,
+                               lambda llm: llm.engine.transfers.calls.worker._mover.verifies)
     assert_same_greedy(expected, outs)
     assert [o.num_connector_tokens for o in outs] == [84, 68, 120]
     assert stats["blocks_loaded"] == 68 and stats["corrupt_blocks"] == 0
     victims = sorted(pf.iter_block_files(pool))[:2]
-    corrupted = []
-    for v in victims:
-        data = bytearray(v.read_bytes())
-        data[-3] ^= 0x10
-        v.write_bytes(bytes(data))
-        corrupted.append(bytes(data))
-    with LLM(path, kv_connector=cfg, **kw) as llm:
-        outs = llm.generate(prompts, sp)
-        llm.check_integrity()
-        stats = llm.stats()
+    corrupted = [_flip(v, -3, 0x10) for v in victims]
+    outs, stats = _run_checked(path, cfg, kw, prompts, sp)
     assert_same_greedy(expected, outs)
     assert stats["corrupt_blocks"] == 2 and stats["load_failures_recomputed"] >= 1
     assert len(list((pool / "quarantine").iterdir())) == 2
