@@ -8,6 +8,9 @@ GPU memory; raw = the files read into one pinned buffer, then one host-to-device
 (the floor). Loads run from the page cache (the files were just written) and, on a GPU,
 once more from the host tier. On a GPU it also times steps of GPU work with a page of
 saves started after each and without, to show saves do not stall the forward.
+
+Each round's pool starts with its 256 block directories (a pool in use has them) and the
+bench waits for the connector as an idle engine does (polling every IDLE_POLL_SECONDS).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from pathlib import Path
 import torch
 
 from shoal.connectors import ConnectorConfig, ConnectorContext, KVCacheRegistration
+from shoal.connectors.fs import format as pf
 from shoal.connectors.fs.connector import BlockTransfer, FsPoolMeta, FsPoolWorker
 from shoal.engine.build import hand_over_the_gil_often
+from shoal.engine.engine import IDLE_POLL_SECONDS
 from shoal.kv.kv_cache import KVCacheLayout
 
 
@@ -43,7 +48,15 @@ def _transfer(worker: FsPoolWorker, meta: FsPoolMeta, rid: str, saving: bool) ->
         saved, loaded = worker.get_finished([rid] if saving else [], [] if saving else [rid])
         if (saved if saving else loaded):
             return time.perf_counter() - start
-        time.sleep(0.0002)
+        time.sleep(IDLE_POLL_SECONDS)  # as an engine that only waits for transfers polls
+
+
+def _make_block_dirs(root: Path) -> None:
+    """The 256 blocks/<xx> directories a pool in use has (a fresh pool makes each once, at
+    its first save there: not a save's cost; the raw writes' directory exists too)."""
+    pf.ensure_pool_dirs(root)
+    for i in range(256):
+        os.close(pf.open_pool_dir(root, "blocks", f"{i:02x}", create=True))
 
 
 def _raw(paths: list[Path], views: list[memoryview], threads: int, write: bool) -> float:
@@ -88,6 +101,7 @@ def run_pool_io(num_blocks: int, threads: int, rounds: int, device: str = "cpu")
     with tempfile.TemporaryDirectory(prefix="shoal-bench-io-") as tmp:
         for r in range(rounds):  # each round: a fresh pool, fresh raw files
             root = Path(tmp) / f"pool{r}"
+            _make_block_dirs(root)
             cfg = ConnectorConfig(name="fs", options={"root": str(root), "io_threads": threads})
             ctx = ConnectorContext(0, 1, 0, 1, 0, 1, 16, os.urandom(32).hex(), device)
             keys = [os.urandom(32) for _ in range(num_blocks)]
