@@ -72,6 +72,114 @@ def test_tier_shape():
     assert tier_shape(1 << 19, 1 << 20) == (0, 1)  # not one block: no tier
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fail_at", [0, 3, 5])
+def test_a_load_that_raises_lets_go_of_every_page(device, fail_at):
+    """A read that raises (a bug, a broken buffer) in any chunk of a load, with tier hits
+    and chunks in flight around it: the load raises, and every page is let go."""
+    from shoal.connectors.fs.paged_io import PagedMover
+
+    tier = HostTier(block_nbytes=64, num_pages=8, blocks_per_page=2, pinned=device == "cuda")
+    mover = PagedMover(torch.zeros((16, 8), dtype=torch.int64, device=device), tier)
+    keys = [bytes([i]) * 32 for i in range(7)]
+    for first in (2, 4):  # blocks 2 and 4 are in the tier, each alone on a page
+        page = tier.take_page()
+        tier.publish(page, 0, keys[first])
+        tier.release(page)
+
+    def read(i: int, dest: memoryview) -> int | None:
+        if i == fail_at:
+            raise RuntimeError("broken buffer")
+        return None  # a miss: nothing to check
+
+    with pytest.raises(RuntimeError, match="broken buffer"):
+        mover.load(keys, list(range(7)), read, corrupt=lambda i: None)
+    assert tier.num_held_pages == 0
+    tier.check_integrity()
+
+
+class _NoStream:
+    """Stands in for a CUDA stream and event where there is no GPU: work on CPU tensors
+    is done when it is queued."""
+
+    def wait_stream(self, other): pass
+
+    def synchronize(self): pass
+
+    def record(self, stream=None): pass
+
+
+def test_the_gpu_branch_places_checks_and_publishes_by_the_book(monkeypatch):
+    """The GPU branch of a load (staging, one index tensor, the check, the verdicts) run on
+    CPU tensors with the streams stood in for and the check through Triton's interpreter:
+    random chunks of tier hits, good reads, misses and reads whose checksum is wrong,
+    several pages, and the wait for a page when all are held. Every bad read is reported
+    once and never published; every read is placed; the tier's entries hold their bytes;
+    no page stays held."""
+    import contextlib
+    import random
+
+    import xxhash
+
+    from shoal.connectors.fs import paged_io
+
+    if torch.cuda.is_available():
+        pytest.skip("runs the real branch on a GPU (tests/test_cuda.py)")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _NoStream)
+    empty = torch.empty
+    monkeypatch.setattr(paged_io.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(paged_io.PagedMover, "_to_device",
+                        lambda self, ids: torch.tensor(ids, dtype=torch.long))
+    nbytes = 256
+    rng = random.Random(0)
+    published = 0
+    for trial in range(30):
+        per, num_pages = rng.choice([(4, 3), (3, 4), (2, 6), (5, 2)])
+        tier = HostTier(nbytes, num_pages, per, pinned=False)
+        kv = torch.zeros((40, nbytes), dtype=torch.uint8)
+        mover = paged_io.PagedMover(kv, tier)
+        mover.is_cuda = mover.verifies = True
+        staging = torch.empty((per, nbytes), dtype=torch.uint8).view(torch.int64)
+        monkeypatch.setattr(mover, "_thread_buffers", lambda: (_NoStream(), staging))
+        keys = [os.urandom(32) for _ in range(rng.randint(1, 14))]
+        data = {k: os.urandom(nbytes) for k in keys}
+        kind = {k: rng.choice(["good", "good", "missing", "corrupt", "tier"]) for k in keys}
+        in_tier = [k for k in keys if kind[k] == "tier"][:per]
+        kind.update({k: "good" for k in keys if kind[k] == "tier" and k not in in_tier})
+        if in_tier:
+            page = tier.take_page()
+            for slot, k in enumerate(in_tier):
+                tier.rows(page, slot, 1)[0].copy_(torch.frombuffer(bytearray(data[k]),
+                                                                   dtype=torch.uint8))
+                tier.publish(page, slot, k)
+            tier.release(page)
+        block_ids = rng.sample(range(40), len(keys))
+        corrupt = []
+
+        def read(i: int, dest: memoryview) -> int | None:
+            if kind[keys[i]] == "missing":
+                return None
+            dest[:] = data[keys[i]]
+            checksum = xxhash.xxh3_64_intdigest(data[keys[i]])
+            return checksum ^ 1 if kind[keys[i]] == "corrupt" else checksum
+        mover.load(keys, block_ids, read, corrupt.append)
+        assert tier.num_held_pages == 0
+        tier.check_integrity()
+        assert sorted(corrupt) == [i for i, k in enumerate(keys) if kind[k] == "corrupt"]
+        for i, k in enumerate(keys):
+            where = tier.find([k])[0]
+            if where is not None:  # (a good one may have been evicted by a later page)
+                assert bytes(tier.rows(*where, 1)[0].numpy()) == data[k], (trial, i)
+                tier.release(where[0])
+            assert where is None or kind[k] in ("good", "tier"), (trial, i, kind[k])
+            if kind[k] != "missing":
+                assert bytes(kv[block_ids[i]].numpy()) == data[k], (trial, i, kind[k])
+        published += sum(tier.contains([k])[0] for k in keys if kind[k] == "good")
+    assert published > 30  # good reads do become tier entries
+
+
 # -- the worker's paged path --------------------------------------------------------------
 
 LAYOUT = dict(num_layers=4, block_size=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)

@@ -1,9 +1,9 @@
 """The pool's checksum (XXH3-64, format.py) of KV blocks, computed on the GPU.
 
-A block read straight from its file into GPU memory (direct_load.py) is verified where it
-landed: one Triton program per block walks its payload in XXH3's 1 KiB blocks, the eight
-accumulator lanes side by side, and compares the result with the checksum in the file's
-header. The value is XXH3-64 with the default secret and seed 0, bit for bit what the
+A block read from its file into a pinned page, without the CPU hashing it, is verified
+once its copy is on the GPU (paged_io.py): one Triton program per block walks its payload
+in XXH3's 1 KiB blocks, the eight accumulator lanes side by side, and compares the result
+with the checksum in the file's header. The value is XXH3-64 with the default secret and seed 0, bit for bit what the
 `xxhash` module gives for the same bytes (tests compare them), for payloads longer than
 240 bytes whose length is a multiple of 8 (every KV block; `supports` says).
 
@@ -23,7 +23,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU installs: the direct GPU load path is simply not offered
+except ImportError:  # CPU installs: reads are verified on the CPU, as they read
     triton = None
 
 # XXH3's default secret ("kSecret"), 192 bytes

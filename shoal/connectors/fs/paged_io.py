@@ -82,24 +82,51 @@ class PagedMover:
                 while len(in_flight) > IN_FLIGHT_CHUNKS:
                     self._finish(in_flight.popleft(), corrupt)
         finally:
-            while in_flight:
+            self._finish_all(in_flight, corrupt)
+
+    def _finish_all(self, in_flight: deque, corrupt: CorruptFn) -> None:
+        """Finish every chunk in flight, each one even if an earlier one raised (its pages
+        let go once its copies end); then raise the first error."""
+        error = None
+        while in_flight:
+            try:
                 self._finish(in_flight.popleft(), corrupt)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                error = error or e
+        if error is not None:
+            raise error
 
     def _load_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque,
                     corrupt: CorruptFn) -> _Chunk:
         tier = self.tier
         where, pages, misses = self._find(keys)
+        try:
+            return self._fill_chunk(keys, block_ids, read, offset, in_flight, corrupt,
+                                    where, pages, misses)
+        except BaseException:  # let go of the pages held, once no copy may read them
+            if self.is_cuda:
+                self._thread_buffers()[0].synchronize()
+            for page in pages:
+                tier.release(page)
+            raise
+
+    def _fill_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque,
+                    corrupt: CorruptFn, where, pages: list[int], misses) -> _Chunk:
+        """_load_chunk's work; `pages` (the pages held) is kept current for its caller."""
+        tier = self.tier
         to_check: list[tuple[int, int]] = []  # (index in the chunk, checksum) to verify
         if misses:
             page = tier.take_page(wait=False)
             if page is None:  # every page held: let go of all of ours, then wait for one
-                for held in pages:
-                    tier.release(held)
-                while in_flight:
-                    self._finish(in_flight.popleft(), corrupt)
+                while pages:
+                    tier.release(pages.pop())
+                self._finish_all(in_flight, corrupt)
                 page = tier.take_page()
-                where, pages, misses = self._find(keys)
-            pages.append(page)
+                pages.append(page)
+                where, hits, misses = self._find(keys)
+                pages.extend(hits)
+            else:
+                pages.append(page)
             slots = tier.rows(page, 0, len(misses)).numpy()
             for slot, i in enumerate(misses):
                 checksum = read(offset + i, memoryview(slots[slot]))
@@ -147,12 +174,16 @@ class PagedMover:
                 staging[n:n + count].copy_(self.tier.rows(page, first, count).view(self.word),
                                            non_blocking=True)
                 n += count
-            ids = self._to_device([b for _, b in rows] + [p for p, _ in checks]
+            # the block ids, then the rows to check and their checksums, each list from an
+            # even place: 16-byte aligned, as in warm_up (Triton compiles a kernel per
+            # pointer alignment)
+            ids = self._to_device(_even([b for _, b in rows]) + _even([p for p, _ in checks])
                                   + [gpu_xxh3.signed(c) for _, c in checks])
             verdicts = None
             if checks:
-                m = len(checks)
-                _, ok = gpu_xxh3.verify_rows(staging, ids[n:n + m], ids[n + m:])
+                m, at = len(checks), len(_even(rows))
+                _, ok = gpu_xxh3.verify_rows(staging, ids[at:at + m],
+                                             ids[at + len(_even(checks)):])
                 verdicts = torch.empty(m, dtype=torch.int8, pin_memory=True)
                 verdicts.copy_(ok, non_blocking=True)
             self.kv_rows.index_copy_(0, ids[:n], staging[:n])
@@ -163,9 +194,9 @@ class PagedMover:
     def _finish(self, chunk: _Chunk, corrupt: CorruptFn) -> None:
         """Wait for a chunk's copies; publish its verified rows to the tier and report
         the others to `corrupt`."""
-        if chunk.event is not None:
-            chunk.event.synchronize()  # releases the GIL while it waits
         try:
+            if chunk.event is not None:
+                chunk.event.synchronize()  # releases the GIL while it waits
             if chunk.checks:
                 for (index, key, (page, slot)), ok in zip(chunk.checks, chunk.verdicts.tolist()):
                     if ok:
@@ -255,6 +286,11 @@ class _Chunk:
     pages: list[int]
     checks: list[tuple[int, bytes, tuple[int, int]]]
     verdicts: torch.Tensor | None
+
+
+def _even(items: list) -> list:
+    """items, with one 0 after them if their number is odd."""
+    return items + [0] * (len(items) % 2)
 
 
 def _runs(where: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
