@@ -82,8 +82,9 @@ DEFAULT_TIER_BYTES_GPU = 2 << 30
 
 def default_io_threads(on_gpu: bool) -> int:
     """4 (8 for a KV cache on a GPU), but no more than the CPUs this process may run on:
-    every read is verified on a CPU, and more threads than cores only contend for them and
-    for the GIL (2-core machine, pool-io: loads 7.45 GB/s with 2 threads, 5.1-5.4 with 4).
+    every read costs CPU time (on a CPU its hash too), and more threads than cores only
+    contend for them and for the GIL (2-core machine, pool-io: loads 7.45 GB/s with 2
+    threads, 5.1-5.4 with 4).
     The CPUs are the calling thread's affinity (a CPU quota of a container is not seen);
     set io_threads to override."""
     try:
