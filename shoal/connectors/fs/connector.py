@@ -329,7 +329,6 @@ class FsPoolWorker(KvConnectorWorker):
         def start() -> None:
             ready.wait()
             self._mover.prepare_thread()
-
         for f in [self._io.submit(start) for _ in range(self._num_threads)]:
             f.result()
 
@@ -465,10 +464,8 @@ class FsPoolWorker(KvConnectorWorker):
 
             def corrupt(i: int) -> None:  # failed the GPU's verification
                 failed.append(i)
-                key = shard_key(transfers[i].key, *self._shard)
-                self._set_aside(key, pf.block_path_str(self._root_str, key),
-                                pf.CorruptBlock("checksum", "payload checksum mismatch"))
-                self._record_failure(transfers[i], "corrupt_blocks")
+                self._corrupt(transfers[i], pf.CorruptBlock("checksum",
+                                                            "payload checksum mismatch"))
             self._mover.load([shard_key(t.key, *self._shard) for t in transfers],
                              [t.block_id for t in transfers], read, corrupt)
             ok = len(transfers) - len(failed)
@@ -481,29 +478,29 @@ class FsPoolWorker(KvConnectorWorker):
         """Read block `t`'s file into `dest`, verified unless `verify` is False (then the
         caller verifies it); the header's checksum of the payload, or None (the failure
         recorded, a corrupt file set aside) if it is missing, unreadable or fails."""
-        return self._guarded_read(t, lambda key: pf.read_block_into(
-            self.root, self.namespace, key, dest, self.block_shape, self.dtype,
-            touch_after=self._touch_after, dirs=self._dirs, verify=verify))
-
-    def _guarded_read(self, t: BlockTransfer, read):
-        """read(key of t's shard): its result, or None (the failure recorded, a corrupt
-        file set aside) if the file is missing, unreadable or fails verification."""
         key = shard_key(t.key, *self._shard)
         path = pf.block_path_str(self._root_str, key)
         if path in UNUSABLE_FILES:  # corrupt, and still there: never read again
             self._record_failure(t, "missing_blocks")
             return None
         try:
-            return read(key)
+            return pf.read_block_into(self.root, self.namespace, key, dest, self.block_shape,
+                                      self.dtype, touch_after=self._touch_after,
+                                      dirs=self._dirs, verify=verify)
         except pf.BlockMissing:
             self._record_failure(t, "missing_blocks")
         except pf.CorruptBlock as e:
-            self._set_aside(key, path, e)
-            self._record_failure(t, "corrupt_blocks")
+            self._corrupt(t, e)
         except OSError as e:
             log.warning("pool block %s could not be read: %s", key.hex(), e)
             self._record_failure(t, "missing_blocks")
         return None
+
+    def _corrupt(self, t: BlockTransfer, error: pf.CorruptBlock) -> None:
+        """Block `t`'s file failed verification: set aside, the failure recorded."""
+        key = shard_key(t.key, *self._shard)
+        self._set_aside(key, pf.block_path_str(self._root_str, key), error)
+        self._record_failure(t, "corrupt_blocks")
 
     def _set_aside(self, key: bytes, path: str, error: pf.CorruptBlock) -> None:
         """Quarantine a corrupt file; one that cannot be moved (a read-only pool, quarantine/

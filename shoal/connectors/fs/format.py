@@ -386,8 +386,18 @@ def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
         size = st.st_size
         header_buf = bytearray(HEADER_SIZE)
         n = os.preadv(fd, [header_buf, dest], 0) if size >= HEADER_SIZE else size
-        header = _checked_header(bytes(header_buf[:min(n, HEADER_SIZE)]), size, namespace,
-                                 key, shape, dtype, dest.nbytes)
+        header = parse_header(bytes(header_buf[:min(n, HEADER_SIZE)]))
+        if header.namespace != namespace:
+            raise CorruptBlock("namespace", "written by another model/layout")
+        if header.key != key:
+            raise CorruptBlock("key", "header key differs from the file name")
+        if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
+            raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
+        if header.payload_len != dest.nbytes:
+            raise CorruptBlock("length", f"{header.payload_len} != {dest.nbytes}")
+        if size != HEADER_SIZE + dest.nbytes:
+            reason = "truncated" if size < HEADER_SIZE + dest.nbytes else "length"
+            raise CorruptBlock(reason, f"file of {size} bytes")
         if verify and checksum(dest) != header.checksum:
             raise CorruptBlock("checksum", "payload checksum mismatch")
         if touch_after is not None and time.time() - st.st_mtime > touch_after:
@@ -395,24 +405,6 @@ def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
     finally:
         os.close(fd)
     return header.checksum
-
-
-def _checked_header(buf: bytes, size: int, namespace: bytes, key: bytes,
-                    shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> BlockHeader:
-    """The header of a file of `size` bytes, checked against what the reader expects."""
-    header = parse_header(buf)
-    if header.namespace != namespace:
-        raise CorruptBlock("namespace", "written by another model/layout")
-    if header.key != key:
-        raise CorruptBlock("key", "header key differs from the file name")
-    if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
-        raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
-    if header.payload_len != nbytes:
-        raise CorruptBlock("length", f"{header.payload_len} != {nbytes}")
-    if size != HEADER_SIZE + nbytes:
-        reason = "truncated" if size < HEADER_SIZE + nbytes else "length"
-        raise CorruptBlock(reason, f"file of {size} bytes")
-    return header
 
 
 def _open_block(root: Path, h: str) -> tuple[int, os.stat_result]:

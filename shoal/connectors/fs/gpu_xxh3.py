@@ -3,9 +3,10 @@
 A block read from its file into a pinned page, without the CPU hashing it, is verified
 once its copy is on the GPU (paged_io.py): one Triton program per block walks its payload
 in XXH3's 1 KiB blocks, the eight accumulator lanes side by side, and compares the result
-with the checksum in the file's header. The value is XXH3-64 with the default secret and seed 0, bit for bit what the
-`xxhash` module gives for the same bytes (tests compare them), for payloads longer than
-240 bytes whose length is a multiple of 8 (every KV block; `supports` says).
+with the checksum in the file's header. The value is XXH3-64 with the default secret and
+seed 0, bit for bit what the `xxhash` module gives for the same bytes (tests compare
+them), for payloads longer than 240 bytes whose length is a multiple of 8 (every KV
+block; `supports` says).
 
 XXH3 for such inputs: 8 lanes of 64-bit accumulators; each 64-byte stripe adds, per lane,
 the neighbour lane's word and the 32x32-bit product of the word XOR a secret word; every

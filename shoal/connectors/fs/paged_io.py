@@ -60,7 +60,7 @@ class PagedMover:
         self.device = kv.device
         self.is_cuda = kv.is_cuda
         # the GPU checks what is read (the reads then skip the CPU's hash)
-        self.verifies = (self.is_cuda and self.word == torch.int64 and gpu_xxh3.available()
+        self.verifies = (self.is_cuda and gpu_xxh3.available()
                          and gpu_xxh3.supports(tier.block_nbytes))
         self._local = threading.local()  # per thread: its stream and device staging
 
@@ -101,48 +101,44 @@ class PagedMover:
         tier = self.tier
         where, pages, misses = self._find(keys)
         try:
-            return self._fill_chunk(keys, block_ids, read, offset, in_flight, corrupt,
-                                    where, pages, misses)
+            to_check: list[tuple[int, int]] = []  # (index in the chunk, checksum)
+            if misses:
+                page = tier.take_page(wait=False)
+                if page is None:  # every page held: let go of all of ours, wait for one
+                    while pages:
+                        tier.release(pages.pop())
+                    self._finish_all(in_flight, corrupt)
+                    page = tier.take_page()
+                    pages.append(page)
+                    where, hits, misses = self._find(keys)
+                    pages.extend(hits)
+                else:
+                    pages.append(page)
+                slots = tier.rows(page, 0, len(misses)).numpy()
+                for slot, i in enumerate(misses):
+                    checksum = read(offset + i, memoryview(slots[slot]))
+                    if checksum is None:
+                        continue
+                    where[i] = (page, slot)
+                    if self.verifies:
+                        to_check.append((i, checksum))
+                    else:
+                        tier.publish(page, slot, keys[i])
+            rows = [(w, b) for w, b in zip(where, block_ids) if w is not None]
+            checks = []  # (place among rows, checksum) of the rows read from files
+            if to_check:
+                read_or_hit = (i for i, w in enumerate(where) if w is not None)
+                place = {i: n for n, i in enumerate(read_or_hit)}
+                checks = [(place[i], c) for i, c in to_check]
+            event, verdicts = self._copy_in(rows, checks)
+            return _Chunk(event, pages, [(offset + i, keys[i], where[i]) for i, _ in to_check],
+                          verdicts)
         except BaseException:  # let go of the pages held, once no copy may read them
             if self.is_cuda:
                 self._thread_buffers()[0].synchronize()
             for page in pages:
                 tier.release(page)
             raise
-
-    def _fill_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque,
-                    corrupt: CorruptFn, where, pages: list[int], misses) -> _Chunk:
-        """_load_chunk's work; `pages` (the pages held) is kept current for its caller."""
-        tier = self.tier
-        to_check: list[tuple[int, int]] = []  # (index in the chunk, checksum) to verify
-        if misses:
-            page = tier.take_page(wait=False)
-            if page is None:  # every page held: let go of all of ours, then wait for one
-                while pages:
-                    tier.release(pages.pop())
-                self._finish_all(in_flight, corrupt)
-                page = tier.take_page()
-                pages.append(page)
-                where, hits, misses = self._find(keys)
-                pages.extend(hits)
-            else:
-                pages.append(page)
-            slots = tier.rows(page, 0, len(misses)).numpy()
-            for slot, i in enumerate(misses):
-                checksum = read(offset + i, memoryview(slots[slot]))
-                if checksum is None:
-                    continue
-                where[i] = (page, slot)
-                if self.verifies:
-                    to_check.append((i, checksum))
-                else:
-                    tier.publish(page, slot, keys[i])
-        rows = [(w, b) for w, b in zip(where, block_ids) if w is not None]
-        # the rows read from files, by their place among `rows`
-        position = {i: n for n, i in enumerate(i for i, w in enumerate(where) if w is not None)}
-        checks = [(position[i], c, offset + i, keys[i], where[i]) for i, c in to_check]
-        event, verdicts = self._copy_in(rows, [(p, c) for p, c, *_ in checks])
-        return _Chunk(event, pages, [c[2:] for c in checks], verdicts)
 
     def _find(self, keys: list[bytes]):
         """The tier's slots of `keys` (None: not there), the pages held for the hits (one
@@ -177,13 +173,13 @@ class PagedMover:
             # the block ids, then the rows to check and their checksums, each list from an
             # even place: 16-byte aligned, as in warm_up (Triton compiles a kernel per
             # pointer alignment)
+            m = len(checks)
+            at, sums = n + n % 2, n + n % 2 + m + m % 2
             ids = self._to_device(_even([b for _, b in rows]) + _even([p for p, _ in checks])
                                   + [gpu_xxh3.signed(c) for _, c in checks])
             verdicts = None
             if checks:
-                m, at = len(checks), len(_even(rows))
-                _, ok = gpu_xxh3.verify_rows(staging, ids[at:at + m],
-                                             ids[at + len(_even(checks)):])
+                _, ok = gpu_xxh3.verify_rows(staging, ids[at:at + m], ids[sums:])
                 verdicts = torch.empty(m, dtype=torch.int8, pin_memory=True)
                 verdicts.copy_(ok, non_blocking=True)
             self.kv_rows.index_copy_(0, ids[:n], staging[:n])
