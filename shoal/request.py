@@ -37,6 +37,19 @@ class RequestMetrics:
 
 
 @dataclass
+class PoolHit:
+    """How a request's pool hit was served (SPEC 3.1), for its output and stats."""
+
+    decision: str  # "load": loaded, then computed on; "split": the front computed while the
+    # back loaded; "compute": not loaded (computing it was the faster way)
+    num_matched_tokens: int  # tokens the pool had after the local prefix hit
+    num_front_tokens: int = 0  # of them computed by the engine (the front)
+    num_loaded_tokens: int = 0  # of them loaded and used (the rest was recomputed)
+    prefill_tokens_per_s: float = 0.0  # the rates the decision used (0: not measured yet)
+    load_tokens_per_s: float = 0.0
+
+
+@dataclass
 class Request:
     """Engine-side state of one request. Token ranges (block_size 4, prompt of 10):
 
@@ -61,6 +74,7 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_local_prefix_tokens: int | None = None  # prefix hit at first admission
     num_connector_tokens: int = 0  # tokens loaded from the pool
+    pool_hit: PoolHit | None = None  # how its pool hit was served (None: no hit)
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
@@ -157,6 +171,7 @@ class RequestOutput:
     num_local_prefix_tokens: int  # served from this rank's own prefix cache
     num_connector_tokens: int  # loaded from the pool through the connector
     logprobs: list | None = None  # one sampling.TokenLogprobs per token, if the request asked
+    pool_hit: PoolHit | None = None  # how its pool hit was served (None: no pool hit)
 
     @classmethod
     def from_request(cls, req: Request, text: str = "") -> RequestOutput:
@@ -166,7 +181,7 @@ class RequestOutput:
                    token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
                    error=req.error, metrics=req.metrics,
                    num_local_prefix_tokens=req.num_local_prefix_tokens or 0,
-                   num_connector_tokens=req.num_connector_tokens)
+                   num_connector_tokens=req.num_connector_tokens, pool_hit=req.pool_hit)
 
 
 @dataclass

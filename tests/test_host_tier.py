@@ -270,7 +270,7 @@ def test_a_load_part_in_the_tier_part_in_files(tmp_path, device):
              "h", saving=False)
     flip_a_payload_bit(tmp_path, keys[12], 5)
     loads = [BlockTransfer("l", i, 32 + i, k) for i, k in enumerate(keys)]
-    tasks = fresh._load_tasks(loads)
+    tasks = fresh._load_units(loads)
     assert [t.block_index for t in tasks[0]] == held
     assert sorted(t.block_index for task in tasks[1:] for t in task) == list(range(8, 16))
     kv2[32:].zero_()

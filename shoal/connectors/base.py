@@ -32,6 +32,9 @@ class ConnectorConfig:
     transfer_timeout_sec: float = 600.0  # a pending load or save must finish within this
     control_grace_sec: float = 60.0  # what a cancel or shutdown still waits for a transfer
     load_failure_policy: str = "recompute"  # "recompute" from the first bad block, or "fail"
+    # compute a hit's front while its back loads (SPEC 3.1), where the connector supports
+    # partial loads; False: every matched block is loaded before the request computes
+    compute_while_loading: bool = True
 
     def __post_init__(self) -> None:
         by_module = (self.module, self.scheduler_class, self.worker_class)
@@ -51,6 +54,9 @@ class ConnectorConfig:
         if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"ConnectorConfig.load_failure_policy must be one of "
                              f"{LOAD_FAILURE_POLICIES}, got {self.load_failure_policy!r}")
+        if not isinstance(self.compute_while_loading, bool):
+            raise ValueError("ConnectorConfig.compute_while_loading must be a bool, got "
+                             f"{self.compute_while_loading!r}")
         if not isinstance(self.options, dict):
             raise ValueError(f"ConnectorConfig.options must be a dict, got {type(self.options).__name__}")
 
@@ -103,6 +109,20 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class LoadProgress:
+    """How far a partial load (one that lands its last block first) has come. Block indices
+    are positions in the request (block i holds tokens [i * block_size, (i + 1) * block_size)).
+
+        blocks     c ........ writes_from ..... landed_from ........ e
+                   |- dropped: the engine -|- queued or -|- landed (or failed:
+                      computes them           copying      get_failed_loads) -|
+    """
+
+    writes_from: int  # no copy of the load writes a block below this index any more
+    landed_from: int  # every block of the load at or above this index has landed
+
+
+@dataclass(frozen=True)
 class KVCacheRegistration:
     """What register_kv_caches receives: the KV tensor and how to read it."""
 
@@ -114,6 +134,10 @@ class KvConnectorScheduler(abc.ABC):
     """Scheduler side: decides what moves. One per owner."""
 
     supports_attention_dp: ClassVar[bool] = False
+    # plans each load last block first and takes `drop_loads` (the worker side must
+    # report `get_load_progress` too): the engine then computes a hit's front while its
+    # back loads (SPEC 3.1)
+    supports_partial_loads: ClassVar[bool] = False
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         self.config = config
@@ -138,6 +162,13 @@ class KvConnectorScheduler(abc.ABC):
         """Once per request, before its blocks are freed. True = an async save still reads them;
         the engine keeps them pinned until the worker reports the save finished."""
 
+    def drop_loads(self, request: RequestView, num_blocks: int) -> None:
+        """Only with supports_partial_loads: the engine computes the request's first
+        `num_blocks` blocks itself. Drop the blocks of its load below that index that no copy
+        has started on (in the next plan); blocks already being copied still land. Called
+        after update_state_after_alloc, any number of times, with growing num_blocks."""
+        raise NotImplementedError(f"{type(self).__name__} does not support partial loads")
+
     def stats(self) -> dict[str, float]:
         """Counters this side keeps (e.g. pool_lookups); summed into LLM.stats()."""
         return {}
@@ -151,6 +182,7 @@ class KvConnectorWorker(abc.ABC):
 
     supports_attention_dp: ClassVar[bool] = False
     supports_abort: ClassVar[bool] = False
+    supports_partial_loads: ClassVar[bool] = False  # reports get_load_progress
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         self.config = config
@@ -196,6 +228,12 @@ class KvConnectorWorker(abc.ABC):
         """Finished loads that produced nothing usable: request id -> index (in the request's
         blocks) of the first block that must be recomputed. Each failure is reported once."""
         return {}
+
+    def get_load_progress(self, loading_ids: list[str]) -> dict[str, LoadProgress]:
+        """Only with supports_partial_loads: cheap, non-blocking; the progress of each of
+        these still-pending loads (also of one reported finished by this poll's
+        get_finished: its final progress). A load that is not known is left out."""
+        raise NotImplementedError(f"{type(self).__name__} does not support partial loads")
 
     def abort(self, request_ids: list[str]) -> None:
         """Only with supports_abort: give up these requests' pending transfers (their deadline

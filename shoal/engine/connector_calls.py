@@ -47,6 +47,9 @@ class ConnectorCalls:
         self.agreement = agreement
         self.scheduler = scheduler_cls(config, ctx) if agreement.is_lead else None
         self.worker = worker_cls(config, ctx)
+        # both sides take part in partial loads (SPEC 3.1), else loads are whole
+        self.partial_loads = bool(scheduler_cls.supports_partial_loads
+                                  and worker_cls.supports_partial_loads)
         self.worker.register_kv_caches(registration)
         self.failure: str | None = None  # the first fatal failure: the engine must stop
         # told (from the watchdog's thread) when a hook call blocks: the engine's owner fails

@@ -34,6 +34,7 @@ from shoal.request import NewRequest, Request, RequestOutput, RequestStatus, Ste
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.0005  # pause of a step that only waits for transfers
+PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 512, 64  # the bring-up forward that measures prefill
 
 STAT_KEYS = (
     "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",
@@ -43,7 +44,8 @@ STAT_KEYS = (
     "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
     "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved", "load_gbps", "save_gbps",
     "kv_blocks_used", "control_seconds", "forward_seconds", "transfers_aborted",
-    "host_tier_hit_blocks",
+    "host_tier_hit_blocks", "pool_hits_loaded", "pool_hits_split", "pool_hits_computed",
+    "front_tokens_computed", "prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s",
 )
 
 
@@ -99,10 +101,13 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device,
                                   self.info.max_model_len, config.max_batch_size,
                                   config.enforce_eager)
+        if self.transfers is not None and self.transfers.partial_loads:
+            self._measure_prefill()
         self.overlap = config.overlap_scheduler
         self._forward = (ThreadPoolExecutor(1, thread_name_prefix="shoal-forward")
                          if self.overlap else None)
-        self._inflight: deque[tuple[ScheduledBatch, Future]] = deque()  # launched, not applied
+        # launched, not applied: (batch, its execution, when it was launched)
+        self._inflight: deque[tuple[ScheduledBatch, Future, float]] = deque()
         self._forget_ids: list[str] = []  # runner state to drop once no step can need it
         self._ids = itertools.count()
         self._live: dict[str, Request] = {}  # request id -> request, until it is returned
@@ -116,6 +121,17 @@ class Engine:
         self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",
                                       "local_prefix_hit_tokens"), 0)
         freeze_what_was_built()
+
+    def _measure_prefill(self) -> None:
+        """The prefill rate a load split starts from, measured by a second forward (the first
+        pays one-time costs, which no request's forward then pays). One rank only: the
+        forward of a rank in a group would wait for its peers."""
+        if self.peers.topology.world_size > 1:
+            return
+        num = min(self.config.max_num_tokens, PROBE_TOKENS_GPU if self.runner.is_paged
+                  or self.kv_cache.tensor.is_cuda else PROBE_TOKENS_CPU)
+        self.runner.time_prefill(num)
+        self.transfers.planner.observe_prefill(num, self.runner.time_prefill(num))
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -194,7 +210,7 @@ class Engine:
         else:
             future = Future()
             future.set_result(self._execute(batch, token_counts, forget))
-        self._inflight.append((batch, future))
+        self._inflight.append((batch, future, time.perf_counter()))
 
     def _execute(self, batch: ScheduledBatch, token_counts: list[int],
                  forget_ids: list[str]) -> _Executed:
@@ -220,15 +236,18 @@ class Engine:
         requests that ended."""
         ended = []
         while len(self._inflight) > keep:
-            batch, future = self._inflight.popleft()
+            batch, future, launched = self._inflight.popleft()
             out = future.result()
+            sampled = out.sampled.tolist()  # waits for the device
+            if self.transfers is not None:  # the prefill rate a load split weighs (SPEC 3.1)
+                self.transfers.planner.observe_prefill(
+                    _num_prefill_tokens(batch), time.perf_counter() - launched)
             outcome = None
             if out.transfers is not None:
                 outcome = self.transfers.apply(batch.transfers, out.transfers)
             asked = self._logprobs_asked(batch, out.logprobs)
             # a step still in flight may write the blocks of requests ending now
-            done = self.scheduler.update(batch, out.sampled.tolist(), bool(self._inflight),
-                                         outcome)
+            done = self.scheduler.update(batch, sampled, bool(self._inflight), outcome)
             for req, num_before, logprobs in asked:  # kept for the tokens that were appended
                 if len(req.output_token_ids) > num_before:
                     self._logprobs.setdefault(req.request_id, []).append(logprobs)
@@ -336,3 +355,10 @@ class Engine:
             self._forward.shutdown(wait=not failed)
         if self.transfers is not None:
             self.transfers.shutdown()
+
+
+def _num_prefill_tokens(batch: ScheduledBatch) -> int:
+    """Tokens of the batch's prefill chunks, if they are most of it (else 0: a step of
+    decodes says little about the prefill rate)."""
+    num = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+    return num if 2 * num >= batch.num_tokens else 0

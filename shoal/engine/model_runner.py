@@ -18,6 +18,8 @@ Two input paths, the same model:
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -103,6 +105,26 @@ class ModelRunner:
         if any(k is not None for k in num_top):  # only rows whose request asked
             self._logprobs = compute_logprobs(logits, sampled.tolist(), num_top)
         return sampled
+
+    def time_prefill(self, num_tokens: int) -> float:
+        """Seconds one prefill forward of `num_tokens` tokens takes (run at bring-up: it
+        measures the prefill rate and pays the first forward's one-time costs). Its KV goes
+        to the scratch block only."""
+        from shoal.engine.scheduler import ScheduledBatch, ScheduledChunk
+        from shoal.request import Request
+        from shoal.sampling import SamplingParams
+
+        probe = Request("shoal-bring-up-prefill", [1] * num_tokens, SamplingParams(max_tokens=1),
+                        frozenset())
+        scratch = [self.kv_cache.scratch_block] * cdiv(num_tokens, self.block_size)
+        batch = ScheduledBatch([ScheduledChunk(probe, 0, num_tokens, probe.prompt_token_ids, 0,
+                                               scratch, True, 0)], num_tokens)
+        start = time.perf_counter()
+        self.execute(batch, [num_tokens]).tolist()
+        seconds = time.perf_counter() - start
+        self.forget(probe.request_id)
+        self._prev_rows = {}
+        return seconds
 
     def take_logprobs(self) -> list[TokenLogprobs | None] | None:
         """The logprobs of the last `execute`'s samples (one per sampled token, None where

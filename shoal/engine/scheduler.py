@@ -93,7 +93,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate(req, num_new):
-                victim = self.running.pop()  # the newest request yields first
+                victim = self._victim()
+                if victim is None:  # only requests with pending loads hold blocks
+                    break
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is req:
@@ -102,31 +104,33 @@ class Scheduler:
                 chunks.append(self._make_chunk(req, num_new))
                 budget -= num_new
                 i += 1
+                continue
+            if req in self.running:  # not preempted: it waits for blocks
+                i += 1
         transfers = self.transfers
-        num_loading = 0 if transfers is None else transfers.num_loading
         while (self.waiting and budget > 0 and not num_preempted
-               and len(self.running) + num_loading < self.max_batch_size):
+               and len(self.running) < self.max_batch_size):
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0 and not req.block_ids, req.request_id
             hits = self.kv.find_cached_prefix(req)
             num_cached = len(hits) * self.kv.block_size
             num_external = transfers.match(req, num_cached) if transfers else 0
-            # A pool load fills its blocks first; the request computes from the next step on
-            # (so a failed load is known before any forward reads those blocks).
-            num_new = num_external or min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate(req, num_new, hits):
+            num_new = min(req.num_tokens - num_cached, budget)
+            # the blocks of a pool hit are allocated with it (its loads' destinations)
+            if not self.kv.allocate(req, max(num_new, num_external), hits):
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
             if req.num_local_prefix_tokens is None:
                 req.num_local_prefix_tokens = num_cached
-            if transfers and transfers.admit(req, num_cached, num_external):
-                num_loading += 1
-                continue  # waits for its load, in no batch
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(self._make_chunk(req, num_new))
-            budget -= num_new
+            if transfers and transfers.admit(req, num_cached, num_external):
+                # a load is pending: the front computes what the load leaves it (SPEC 3.1)
+                num_new = min(transfers.front_tokens(req), budget)
+            if num_new > 0:
+                chunks.append(self._make_chunk(req, num_new))
+                budget -= num_new
         plan = transfers.plan(chunks) if transfers else NO_TRANSFERS
         return ScheduledBatch(chunks, self.max_num_tokens - budget, plan)
 
@@ -182,9 +186,9 @@ class Scheduler:
 
     def cancel(self, req: Request, defer_free: bool) -> bool:
         """End `req` as "cancelled"; True if it ended now (possibly SAVING: a pending save
-        keeps its blocks pinned until it drains). A request whose load is pending keeps its
-        blocks and ends when the load drains. Either way the transfer gets at most the grace
-        from now."""
+        keeps its blocks pinned until it drains). A request whose load is pending computes
+        no more, keeps its blocks and ends when the load drains. Either way the transfer
+        gets at most the grace from now."""
         transfers = self.transfers
         if req.is_finished or (transfers is not None and transfers.is_cancelling(req.request_id)):
             return False
@@ -192,19 +196,17 @@ class Scheduler:
         ends_now = transfers is None or not transfers.defer_cancel(req)
         if ends_now:
             self.finish(req, "cancelled", defer_free=defer_free)
+        elif req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            req.status = RequestStatus.WAITING_FOR_LOAD
         if transfers is not None:  # the load, or the saves pending now (incl. pinned)
             transfers.shorten_deadline(req.request_id)
         return ends_now
 
     def _apply(self, outcome: TransferOutcome, defer_free: bool) -> list[Request]:
-        """Finished loads join the running requests; requests whose transfer ended them end;
-        finished saves release their blocks. Returns the requests that ended."""
-        for req, num_ok in outcome.loaded:
-            req.status = RequestStatus.RUNNING
-            req.num_connector_tokens = num_ok - req.num_computed_tokens
-            req.num_computed_tokens = num_ok
-            self.kv.cache_computed_blocks(req, num_ok)
-            self.running.append(req)
+        """Requests whose transfer ended them end; finished saves release their blocks.
+        Returns the requests that ended. (A finished load is taken up by the request's
+        front: `_num_schedulable`.)"""
         for req, reason, error in outcome.ended:
             self.finish(req, reason, error, defer_free)
         for req in outcome.released:
@@ -242,12 +244,31 @@ class Scheduler:
                 f"{req.num_computed_tokens} computed tokens")
 
     def _num_schedulable(self, req: Request) -> int:
-        """Tokens a running request can compute now (0 when it is done but not yet updated)."""
+        """Tokens a running request can compute now (0 when it is done but not yet updated,
+        or its front waits for a load)."""
         num_outputs = len(req.output_token_ids) + req.num_inflight_tokens
         num_known = len(req.prompt_token_ids) + num_outputs  # req.num_known_tokens, inlined
         if num_outputs >= req.sampling.max_tokens or num_known > self.max_request_len:
             return 0
+        transfers = self.transfers
+        if transfers is not None and transfers.has_fronts:
+            num_ok = transfers.take_landed(req)
+            if num_ok is not None:  # the front reached the landed blocks: go on after them
+                req.num_computed_tokens = num_ok
+                self.kv.cache_computed_blocks(req, num_ok)
+            front = transfers.front_tokens(req)
+            if front is not None:
+                return min(front, num_known - req.num_computed_tokens)
         return num_known - req.num_computed_tokens
+
+    def _victim(self) -> Request | None:
+        """The newest running request that may be preempted: a pending load still writes
+        the blocks of the others."""
+        for i in range(len(self.running) - 1, -1, -1):
+            req = self.running[i]
+            if self.transfers is None or not self.transfers.is_loading(req.request_id):
+                return self.running.pop(i)
+        return None
 
     def _make_chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shoal.connectors.base import LoadProgress
 from shoal.engine.connector_calls import ConnectorCalls
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class TransferReport:
     finished_loading: set[str] = field(default_factory=set)
     failed_loads: dict[str, int] = field(default_factory=dict)  # rid -> first bad block index
     aborted: set[str] = field(default_factory=set)  # transfers aborted at their deadline
+    progress: dict[str, LoadProgress] = field(default_factory=dict)  # partial loads' progress
 
 
 class TransferPoller:
@@ -42,6 +44,7 @@ class TransferPoller:
         self._saved: dict[str, int] = {}  # rid -> save episode this rank's worker finished
         self._loaded: set[str] = set()  # loads this rank's worker finished
         self._failed: dict[str, int] = {}  # ... of which failed, from this block index on
+        self._progress: dict[str, LoadProgress] = {}  # partial loads' last progress here
         self.num_deadline_expiries = 0
         self.num_aborted = 0
 
@@ -72,6 +75,8 @@ class TransferPoller:
                     log.warning("%s: aborted %s", what, expired)
                     self.num_aborted += len(expired)
                     self._aborted.update(expired)
+                    for rid in expired:
+                        self._progress.pop(rid, None)
                     report.aborted.update(expired)
         return report
 
@@ -87,16 +92,30 @@ class TransferPoller:
         self._saved.update((rid, saves[rid]) for rid in saved if rid in saves)
         self._loaded.update(rid for rid in loaded if rid in loads)
         self._failed.update(self.calls.work("get_failed_loads", lambda w: w.get_failed_loads(), {}) or {})
+        partial = self.calls.partial_loads and loads
+        if partial:  # a load this rank finished keeps its final progress until agreed
+            self._progress.update(self.calls.work(
+                "get_load_progress", lambda w: w.get_load_progress(list(loads)), {}) or {})
         pending, now = [*saves, *loads], time.monotonic()
         flags = ([int(self._saved.get(rid) == epoch) for rid, epoch in saves.items()]
                  + [int(rid in self._loaded) for rid in loads]
                  + [self._failed.get(rid, NO_FAILURE) for rid in loads]
                  + [int(plan.deadlines.get(rid, math.inf) >= now) for rid in pending])
+        if partial:  # free for the front where free on every rank, landed where landed on all
+            flags += [self._progress[rid].writes_from if rid in self._progress else 0
+                      for rid in loads]
+            flags += [-self._progress[rid].landed_from if rid in self._progress else -NO_FAILURE
+                      for rid in loads]
         if not flags:  # the same on every rank: nothing pending, nothing to agree on
             return TransferReport(), []
         agreed = self.calls.agreement.agree_min(flags)
         n, m = len(saves), len(loads)
         report = TransferReport()
+        if partial:
+            at = n + 2 * m + len(pending)
+            for i, rid in enumerate(loads):
+                if agreed[at + m + i] != -NO_FAILURE:
+                    report.progress[rid] = LoadProgress(agreed[at + i], -agreed[at + m + i])
         for rid, done in zip(saves, agreed):
             if done:
                 report.finished_saving.add(rid)
@@ -106,8 +125,9 @@ class TransferPoller:
                 report.finished_loading.add(rid)
                 self._loaded.discard(rid)
                 self._failed.pop(rid, None)
+                self._progress.pop(rid, None)
                 if agreed[n + m + i] != NO_FAILURE:
                     report.failed_loads[rid] = agreed[n + m + i]
-        expired = [rid for rid, ok in zip(pending, agreed[n + 2 * m:]) if not ok
+        expired = [rid for rid, ok in zip(pending, agreed[n + 2 * m:n + 2 * m + len(pending)]) if not ok
                    and rid not in report.finished_saving and rid not in report.finished_loading]
         return report, list(dict.fromkeys(expired))

@@ -36,18 +36,28 @@ aborted and becomes its request's error.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
-                                   RequestData, RequestView, SchedulerOutput)
+                                   LoadProgress, RequestData, RequestView, SchedulerOutput)
 from shoal.engine.connector_calls import ConnectorCalls
 from shoal.engine.peers import Agreement
 from shoal.engine.transfer_poll import TransferPoller, TransferReport
 from shoal.kv.block_pool import BlockPool
-from shoal.request import Request, RequestStatus
+from shoal.engine.load_split import LoadPlanner
+from shoal.request import PoolHit, Request, RequestStatus
+
+T = TypeVar("T")
+
+# PoolHit.decision -> its stats counter
+HIT_COUNTERS = {"load": "pool_hits_loaded", "split": "pool_hits_split",
+                "compute": "pool_hits_computed"}
 
 
 @dataclass(frozen=True)
@@ -71,30 +81,54 @@ NO_TRANSFERS = TransferPlan()
 class TransferOutcome:
     """What the scheduler does with a report."""
 
-    loaded: list[tuple[Request, int]] = field(default_factory=list)  # runs from n computed
     ended: list[tuple[Request, str, str | None]] = field(default_factory=list)  # reason, error
     released: list[Request] = field(default_factory=list)  # saves done: free the blocks
 
 
 @dataclass
 class _Load:
+    """A pending load. Block indices are positions in the request."""
+
     request: Request
-    num_cached: int  # tokens from the local prefix cache
-    num_external: int  # tokens the load brings after them
+    num_cached: int  # tokens from the local prefix cache (the load's first block is after)
+    num_external: int  # tokens the pool has after them
+    hit: PoolHit
+    is_partial: bool  # the front computes while the back loads (3.1); else the front waits
+    writes_from: int  # the load may write blocks from here on (agreed over TP ranks)
+    landed_from: int  # every block from here to the end of the hit has landed
+    dropped_to: int  # blocks below this index were dropped from the load (or never in it)
+    started: float = field(default_factory=time.monotonic)
+    first_landed: float | None = None  # when a landed block was first reported
     is_cancelled: bool = False  # cancelled while pending: ends once the load drains
+
+
+@dataclass(frozen=True)
+class _Landed:
+    """A finished load whose front has not reached its landed blocks yet."""
+
+    start: int  # tokens: where the landed blocks begin (the front computes up to here)
+    num_ok: int  # tokens with valid KV once the front is there
+    num_cached: int  # tokens of the local prefix hit (the front began there)
 
 
 class KVTransfers:
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext,
                  registration: KVCacheRegistration, pool: BlockPool, agreement: Agreement,
-                 on_stuck: Callable[[str], None] | None = None):
+                 max_num_tokens: int, on_stuck: Callable[[str], None] | None = None):
         self.config = config
         self.ctx = ctx
         self.pool = pool
         self.calls = ConnectorCalls(config, ctx, registration, agreement, on_stuck)
         self.layer_hooks = self.calls.layer_hooks
         self.poller = TransferPoller(self.calls)
-        self._loads: dict[str, _Load] = {}  # WAITING_FOR_LOAD: blocks held, in no batch
+        # the front computes while the back loads where both sides can (SPEC 3.1)
+        self.partial_loads = config.compute_while_loading and self.calls.partial_loads
+        self.planner = LoadPlanner(ctx.block_size, max_num_tokens)
+        self._rates_path = _rates_path(config, ctx)
+        if self.partial_loads and self.calls.agreement.is_lead:
+            self.planner.restore(self._rates_path)
+        self._loads: dict[str, _Load] = {}  # pending loads: blocks held, never preempted
+        self._landed: dict[str, _Landed] = {}  # loads done, the front not there yet
         self._saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
         self._save_epochs: dict[str, int] = {}  # rid -> episode of its pending save report
         self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
@@ -103,6 +137,7 @@ class KVTransfers:
         self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
+        self._hits = dict.fromkeys((*HIT_COUNTERS.values(), "front_tokens_computed"), 0)
 
     # -- what the scheduler asks ----------------------------------------------------------
 
@@ -113,6 +148,11 @@ class KVTransfers:
     @property
     def num_loading(self) -> int:
         return len(self._loads)
+
+    @property
+    def has_fronts(self) -> bool:
+        """Some request's front is bounded by a load (pending, or landed and not reached)."""
+        return bool(self._loads or self._landed)
 
     def match(self, req: Request, num_computed: int) -> int:
         """Pool tokens beyond the local prefix hit, validated against the contract."""
@@ -132,19 +172,71 @@ class KVTransfers:
         return 0
 
     def admit(self, req: Request, num_cached: int, num_external: int) -> bool:
-        """Blocks were allocated for `req`. True: it waits here for its load (WAITING_FOR_LOAD)
-        and computes from the step after the load is reported."""
+        """Blocks were allocated for `req` (up to the end of its hit at least). True: a load
+        of (part of) the hit is pending; the request's front computes only what
+        `front_tokens` allows until the load has landed and the front reached it."""
         block_ids = list(req.block_ids)
         self.calls.ask("update_state_after_alloc",
                   lambda s: s.update_state_after_alloc(self._view(req), block_ids), None,
                   req.request_id)
         if not num_external:
             return False
-        req.status = RequestStatus.WAITING_FOR_LOAD
-        self._loads[req.request_id] = _Load(req, num_cached, num_external)
+        bs = self.ctx.block_size
+        first, end = num_cached // bs, (num_cached + num_external) // bs
+        hit = PoolHit("load", num_external, **self._rates())
+        load_from = first
+        if self.partial_loads:
+            decision = self._decide(lambda: self.planner.admit(first, end))
+            load_from = decision.load_from
+            if load_from > first:
+                self._drop(req, load_from)
+            hit.decision = ("load" if load_from == first else "split" if load_from < end
+                            else "compute")
+        req.pool_hit = hit
+        self._hits[HIT_COUNTERS[hit.decision]] += 1
+        if load_from >= end:  # computing it is faster: nothing is loaded
+            hit.num_front_tokens = num_external
+            return False
+        self._loads[req.request_id] = _Load(req, num_cached, num_external, hit,
+                                            self.partial_loads, load_from, end, load_from)
         self._new_loads.append(req)
         self._start_deadline(req.request_id)
         return True
+
+    def front_tokens(self, req: Request) -> int | None:
+        """Tokens the request's front may compute this step (None: no load bounds it).
+        While its load is pending the front stays below every block the load may write,
+        and the blocks it reaches next are dropped from the load a step ahead; once the
+        load is done, the front computes up to the landed blocks (`take_landed` then)."""
+        rid = req.request_id
+        load = self._loads.get(rid)
+        if load is None:
+            landed = self._landed.get(rid)
+            return None if landed is None else max(landed.start - req.num_computed_tokens, 0)
+        if not load.is_partial or load.is_cancelled:
+            return 0
+        front = req.num_computed_tokens
+        end = (load.num_cached + load.num_external) // self.ctx.block_size
+        step = self._decide(lambda: self.planner.front_step(
+            front, load.writes_from, load.landed_from, end, load.started, time.monotonic()))
+        if step.drop_to > load.dropped_to:
+            self._drop(req, step.drop_to)
+            load.dropped_to = step.drop_to
+        return max(min(step.num_tokens, load.writes_from * self.ctx.block_size - front), 0)
+
+    def take_landed(self, req: Request) -> int | None:
+        """If the request's load is done and its front reached the landed blocks: the tokens
+        with valid KV (the request goes on from there); else None."""
+        landed = self._landed.get(req.request_id)
+        if landed is None or req.num_computed_tokens < landed.start:
+            return None
+        del self._landed[req.request_id]
+        hit = req.pool_hit
+        hit.num_front_tokens = landed.start - landed.num_cached
+        hit.num_loaded_tokens = landed.num_ok - landed.start
+        req.num_connector_tokens = hit.num_loaded_tokens
+        self._hits["front_tokens_computed"] += hit.num_front_tokens
+        return landed.num_ok
 
     def plan(self, chunks) -> TransferPlan:
         """The transfers of a step that computes `chunks` (ScheduledChunk list)."""
@@ -179,16 +271,21 @@ class KVTransfers:
                         req.finish_reason = "error"
                         req.error = "the KV save did not finish within its deadline and was aborted"
                     out.released.append(req)
+        for rid, progress in report.progress.items():
+            load = self._loads.get(rid)
+            if load is not None:
+                self._progress(load, progress)
         for rid in sorted(report.finished_loading):
             load = self._end_load(rid)
             if load is None:
                 continue  # reported by an earlier poll already (the overlap loop polls twice)
-            num_ok, error = self._load_result(load, report.failed_loads.get(rid))
+            start = self._landed_start(load)
+            num_ok, error = self._load_result(load, start, report.failed_loads.get(rid))
             if load.is_cancelled or error is not None:
                 out.ended.append((load.request, "cancelled" if load.is_cancelled else "error",
                                   None if load.is_cancelled else error))
             else:
-                out.loaded.append((load.request, num_ok))
+                self._landed[rid] = _Landed(start, num_ok, load.num_cached)
         for rid in sorted(report.finished_saving):
             epoch = plan.save_epochs.get(rid)
             if epoch is None or self._save_epochs.get(rid) != epoch:
@@ -202,8 +299,11 @@ class KVTransfers:
         return out
 
     def on_preempt(self, req: Request) -> None:
-        """Before the scheduler frees a preempted request's blocks: saves already enqueued may
-        still read them, so pin them until the worker reports the request's saves done."""
+        """Before the scheduler frees a preempted request's blocks (never one whose load is
+        pending): saves already enqueued may still read them, so pin them until the worker
+        reports the request's saves done. Landed blocks not reached yet are given up."""
+        assert req.request_id not in self._loads, f"{req.request_id}: preempted while loading"
+        self._landed.pop(req.request_id, None)
         if self._num_reported_blocks.pop(req.request_id, None) is not None and req.block_ids:
             self.pool.touch(req.block_ids)
             self._pins.setdefault(req.request_id, []).extend(req.block_ids)
@@ -225,6 +325,7 @@ class KVTransfers:
     def on_finish(self, req: Request) -> bool:
         """A request ends (request_finished, if the connector saw it). True: a save still
         reads its blocks; they stay held here (SAVING) until the save is reported."""
+        self._landed.pop(req.request_id, None)
         seen = self._num_reported_blocks.pop(req.request_id, None) is not None
         if not seen and req.request_id not in self._pins:
             return False
@@ -243,10 +344,14 @@ class KVTransfers:
         return load is not None and load.is_cancelled
 
     def defer_cancel(self, req: Request) -> bool:
-        """A cancel: True if the request's load is pending (it ends once the load drains)."""
+        """A cancel: True if the request's load is pending (it ends once the load drains;
+        what the load has not started is dropped)."""
         load = self._loads.get(req.request_id)
         if load is not None:
             load.is_cancelled = True
+            if load.is_partial and load.dropped_to < load.landed_from:
+                self._drop(req, load.landed_from)
+                load.dropped_to = load.landed_from
         return load is not None
 
     def block_refs(self) -> list[int]:
@@ -298,19 +403,52 @@ class KVTransfers:
         self._end_deadline(request_id)
         return load
 
-    def _load_result(self, load: _Load, bad: int | None) -> tuple[int, str | None]:
-        """(tokens with valid KV after the load, error). A failed block and everything after
-        it is recomputed (or, with policy "fail", the request ends with an error)."""
+    def _progress(self, load: _Load, progress: LoadProgress) -> None:
+        """A poll's (agreed) word on a partial load: blocks below writes_from are free for
+        the front; blocks from landed_from on have landed."""
+        end = (load.num_cached + load.num_external) // self.ctx.block_size
+        load.writes_from = max(load.writes_from, min(progress.writes_from, end))
+        load.landed_from = max(min(load.landed_from, progress.landed_from), load.writes_from)
+        if load.first_landed is None and load.landed_from < end:
+            load.first_landed = time.monotonic()
+
+    def _landed_start(self, load: _Load) -> int:
+        """Tokens: where a finished load's landed blocks begin (the front computed the rest)."""
+        if not load.is_partial:
+            return load.num_cached
+        return min(load.landed_from * self.ctx.block_size, load.num_cached + load.num_external)
+
+    def _load_result(self, load: _Load, start: int, bad: int | None) -> tuple[int, str | None]:
+        """(tokens with valid KV once the front reaches `start`, error). A failed block and
+        everything after it is recomputed (or, with policy "fail", the request ends with an
+        error). The load's rates are measured here."""
+        end = load.num_cached + load.num_external
+        now = time.monotonic()
+        self.planner.observe_load(end - start, now - load.started,
+                                  None if load.first_landed is None
+                                  else load.first_landed - load.started)
         if bad is None:
-            num_ok = load.num_cached + load.num_external
+            num_ok = end
         elif self.config.load_failure_policy == "fail":
             return load.num_cached, f"KV load from the pool failed at block {bad}"
         else:
             self.num_load_failures_recomputed += 1
-            num_ok = min(max(bad * self.ctx.block_size, load.num_cached),
-                         load.num_cached + load.num_external)
-        self.num_connector_tokens_loaded += num_ok - load.num_cached
+            num_ok = min(max(bad * self.ctx.block_size, start), end)
+        self.num_connector_tokens_loaded += num_ok - start
         return num_ok, None
+
+    def _decide(self, decide: Callable[[], T]) -> T:
+        """The lead rank's decision, on every rank (TP ranks must schedule alike)."""
+        agreement = self.calls.agreement
+        return agreement.share(decide() if agreement.is_lead else None)
+
+    def _drop(self, req: Request, num_blocks: int) -> None:
+        self.calls.ask("drop_loads", lambda s: s.drop_loads(self._view(req), num_blocks), None,
+                       req.request_id)
+
+    def _rates(self) -> dict[str, float]:
+        return {"prefill_tokens_per_s": self.planner.prefill_tps.value or 0.0,
+                "load_tokens_per_s": self.planner.load_tps.value or 0.0}
 
     def _view(self, req: Request) -> RequestView:
         num_full = req.num_prompt_tokens // self.ctx.block_size
@@ -351,7 +489,21 @@ class KVTransfers:
         s["load_failures_recomputed"] = self.num_load_failures_recomputed
         s["deadline_expiries"] = self.poller.num_deadline_expiries
         s["transfers_aborted"] = self.poller.num_aborted
+        s.update(self._hits)
+        s.update(self.planner.stats())
         return s
 
     def shutdown(self) -> None:
+        if self.partial_loads and self.calls.agreement.is_lead and self.failure is None:
+            self.planner.save(self._rates_path)
         self.calls.shutdown()
+
+
+def _rates_path(config: ConnectorConfig, ctx: ConnectorContext) -> Path:
+    """Where the rates of engines of this model, device and connector are kept between
+    runs (one file each: another pool or model measures anew)."""
+    from shoal.model.presets import cache_dir
+    what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
+                       config.scheduler_class, config.worker_class,
+                       sorted((k, repr(v)) for k, v in config.options.items())])
+    return cache_dir() / "rates" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"

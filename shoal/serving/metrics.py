@@ -39,6 +39,23 @@ ENGINE_COUNTERS = (
     ("num_preemptions", "preemptions", "Requests preempted (recomputed later)"),
     ("num_cancellations", "cancellations", "Requests cancelled (client gone, stop string, shutdown)"),
     ("iterations", "iterations", "Engine steps"),
+    ("pool_hits_loaded", "pool_hits_loaded", "Pool hits loaded whole, then computed on"),
+    ("pool_hits_split", "pool_hits_split",
+     "Pool hits whose front was computed while their back loaded"),
+    ("pool_hits_computed", "pool_hits_computed",
+     "Pool hits not loaded: computing them was faster"),
+    ("pool_front_tokens_computed", "front_tokens_computed",
+     "Tokens of pool hits computed by the engine while the rest loaded"),
+)
+
+# engine gauges from stats: (shoal name, stats key, help)
+ENGINE_GAUGES = (
+    ("prefill_tokens_per_second", "prefill_tokens_per_s",
+     "Measured prefill rate a load split weighs (0: not measured yet)"),
+    ("pool_load_tokens_per_second", "load_tokens_per_s",
+     "Measured KV pool load rate a load split weighs (0: not measured yet)"),
+    ("pool_load_latency_seconds", "load_latency_s",
+     "Measured time to a pool load's first landed block (0: not measured yet)"),
 )
 
 
@@ -113,6 +130,8 @@ class _EngineCollector:
         yield gauge("kv_cache_usage_perc", "Share of KV blocks held by requests (1 = full)",
                     lambda s: s["kv_blocks_used"] / s["num_kv_blocks"]
                     if s.get("num_kv_blocks") else 0.0)
+        for metric, key, doc in ENGINE_GAUGES:
+            yield gauge(metric, doc, lambda s, key=key: s.get(key, 0.0))
         for metric, key, doc in ENGINE_COUNTERS:
             c = CounterMetricFamily(f"shoal:{metric}", doc, labels=labels)
             for owner, s in enumerate(per_rank):

@@ -9,6 +9,8 @@ across restarts (format and publish protocol: format.py). Options:
     io_threads      I/O worker threads (default 4, 8 with the KV cache on a GPU; never more
                     than the CPUs this process may use)
     max_bytes       optional capacity; the least recently used files are trimmed past it
+    max_read_gbps   optional cap on the rate blocks are read from files, in GB/s over all
+                    I/O threads (a pool on a slow or shared disk; benchmarks model one)
     host_tier_bytes host memory kept as a cache of recently loaded and saved blocks, per
                     process (default 2 GiB with the KV cache on a GPU, where it is pinned
                     and also stages every copy: at least 4 pages of 16 MiB per I/O thread
@@ -21,7 +23,11 @@ tier they are read straight into, and written straight from, the KV cache's memo
 
 Only full prompt blocks move (the engine's `block_keys`). A block is saved by the step
 that completes it, unless the pool has it already; a request's load covers the longest
-run of consecutive pool hits after its local prefix hit. Under TP each rank's worker
+run of consecutive pool hits after its local prefix hit. Loads are partial (SPEC 3.1):
+a request's blocks are read last first, a unit (a page, or a few blocks) at a time, by
+as many I/O threads as there are units; the engine's drops take the units no thread has
+started off the queue, and `get_load_progress` says which blocks may still be written
+and which have landed. Under TP each rank's worker
 stores its shard under `shard_key(key, rank, world_size)`; the scheduler side (rank 0)
 counts a block as a hit only if every shard's file exists, and saves it if any is missing.
 """
@@ -32,6 +38,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +48,8 @@ import torch
 from shoal.kv.block_keys import shard_key, shard_namespace
 from shoal.connectors.fs import format as pf
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
-                                   KvConnectorScheduler, KvConnectorWorker, RequestView,
-                                   SchedulerOutput)
+                                   KvConnectorScheduler, KvConnectorWorker, LoadProgress,
+                                   RequestView, SchedulerOutput)
 from shoal.connectors.fs.admin import trim_pool
 from shoal.connectors.fs.host_tier import HostTier, tier_shape
 from shoal.connectors.fs.paged_io import PagedMover
@@ -50,6 +57,7 @@ from shoal.connectors.fs.paged_io import PagedMover
 log = logging.getLogger(__name__)
 
 TOUCH_INTERVAL_SECONDS = 60.0
+CPU_BLOCKS_PER_UNIT = 4  # blocks a load unit reads straight into a CPU cache
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,10 @@ class BlockTransfer:
 class FsPoolMeta:
     """One step's plan."""
 
-    loads: list[BlockTransfer] = field(default_factory=list)  # pool -> KV, in block order
+    loads: list[BlockTransfer] = field(default_factory=list)  # pool -> KV, last block first
     saves: list[BlockTransfer] = field(default_factory=list)  # KV -> pool
+    drops: dict[str, int] = field(default_factory=dict)  # rid -> its loads below this block
+    # index are dropped (the engine computes them)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class FsPoolOptions:
     io_threads: int
     max_bytes: int | None
     host_tier_bytes: int
+    max_read_gbps: float | None  # cap on the rate blocks are read from files (None: none)
 
 
 DEFAULT_TIER_BYTES_GPU = 2 << 30
@@ -98,7 +109,8 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
     """Validate the fs options (ValueError naming the option) and create the pool dirs.
     `device`: where the KV cache lives (the defaults of io_threads and host_tier_bytes)."""
     opts = dict(config.options)
-    unknown = set(opts) - {"root", "load_mode", "io_threads", "max_bytes", "host_tier_bytes"}
+    unknown = set(opts) - {"root", "load_mode", "io_threads", "max_bytes", "host_tier_bytes",
+                           "max_read_gbps"}
     if unknown:
         raise ValueError(f"fs connector: unknown options {sorted(unknown)}")
     if not opts.get("root"):
@@ -116,13 +128,18 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
     tier = opts.get("host_tier_bytes", DEFAULT_TIER_BYTES_GPU if on_gpu else 0)
     if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
         raise ValueError(f"fs connector: host_tier_bytes must be an integer >= 0, got {tier!r}")
+    read_cap = opts.get("max_read_gbps")
+    if read_cap is not None and (isinstance(read_cap, bool) or not isinstance(read_cap, (int, float))
+                                 or not 0 < read_cap < float("inf")):
+        raise ValueError(f"fs connector: max_read_gbps must be a number > 0, got {read_cap!r}")
     root = Path(opts["root"]).expanduser()
     try:
         pf.ensure_pool_dirs(root)
     except OSError as e:
         raise ValueError(f"fs connector: root (kv_pool) {str(root)!r} cannot be used as a pool "
                          f"directory: {_why_unusable(root, e)}") from None
-    return FsPoolOptions(root, mode == "async", threads, cap, tier)
+    return FsPoolOptions(root, mode == "async", threads, cap, tier,
+                         None if read_cap is None else float(read_cap))
 
 
 def _why_unusable(root: Path, e: OSError) -> str:
@@ -166,6 +183,7 @@ class _RequestState:
 
 class FsPoolScheduler(KvConnectorScheduler):
     supports_attention_dp = True
+    supports_partial_loads = True
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         super().__init__(config, ctx)
@@ -177,6 +195,7 @@ class FsPoolScheduler(KvConnectorScheduler):
         self._loading: dict[str, range] = {}  # rid -> blocks of the load planned at admission
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
+        self._drops: dict[str, int] = {}  # rid -> drop bound for loads already planned
         self._saving_keys: set[bytes] = set()  # saves scheduled by live requests
         self._stats = dict(pool_lookups=0, pool_hit_blocks=0, pool_miss_blocks=0)
 
@@ -203,13 +222,21 @@ class FsPoolScheduler(KvConnectorScheduler):
         first, num = self._matched.pop(request.request_id, (0, 0))
         if num:
             self._loading[request.request_id] = range(first, first + num)
-        for i in range(first, first + num):
+        for i in reversed(range(first, first + num)):  # last block first
             self._pending_loads.append(BlockTransfer(request.request_id, i, block_ids[i],
                                                      request.block_keys[i]))
 
+    def drop_loads(self, request: RequestView, num_blocks: int) -> None:
+        rid = request.request_id
+        planned = len(self._pending_loads)
+        self._pending_loads = [t for t in self._pending_loads
+                               if t.request_id != rid or t.block_index >= num_blocks]
+        if len(self._pending_loads) == planned:  # its loads went out in an earlier plan
+            self._drops[rid] = max(self._drops.get(rid, 0), num_blocks)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FsPoolMeta:
-        meta = FsPoolMeta(loads=self._pending_loads)
-        self._pending_loads = []
+        meta = FsPoolMeta(loads=self._pending_loads, drops=self._drops)
+        self._pending_loads, self._drops = [], {}
         bs = self.ctx.block_size
         for rd in scheduler_output.new_requests:
             prev = self._requests.get(rd.request_id)
@@ -267,6 +294,7 @@ class FsPoolScheduler(KvConnectorScheduler):
 class FsPoolWorker(KvConnectorWorker):
     supports_attention_dp = True
     supports_abort = True  # I/O not started is cancelled; I/O in progress is waited for
+    supports_partial_loads = True
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         super().__init__(config, ctx)
@@ -285,6 +313,9 @@ class FsPoolWorker(KvConnectorWorker):
         self._io = ThreadPoolExecutor(self._num_threads, thread_name_prefix="shoal-fs-io")
         self._lock = threading.Lock()
         self._loads: dict[str, list[Future]] = {}
+        self._queues: dict[str, _LoadQueue] = {}  # rid -> its pending load's units
+        self._final: dict[str, LoadProgress] = {}  # loads reported finished by the last poll
+        self._throttle = None if opts.max_read_gbps is None else _Throttle(opts.max_read_gbps)
         self._saves: dict[str, list[Future]] = {}
         self._bad_block: dict[str, int] = {}  # rid -> first failed block index (loads pending)
         self._failed: dict[str, int] = {}  # failures of loads reported finished
@@ -334,35 +365,48 @@ class FsPoolWorker(KvConnectorWorker):
 
     def start_load_kv(self) -> None:
         meta: FsPoolMeta | None = self.get_connector_meta()
+        if not meta:
+            return
+        for rid, num_blocks in meta.drops.items():
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.drop(num_blocks)
         by_request: dict[str, list[BlockTransfer]] = {}
-        for t in meta.loads if meta else ():
+        for t in meta.loads:
             by_request.setdefault(t.request_id, []).append(t)
         for rid, transfers in by_request.items():
-            for group in self._load_tasks(transfers):
-                if self.is_async:
-                    fut = self._io.submit(self._load_blocks, group)
-                else:
-                    fut = Future()
-                    self._load_blocks(group)
-                    fut.set_result(None)
-                self._loads.setdefault(rid, []).append(fut)
+            queue = self._queues[rid] = _LoadQueue(self._load_units(transfers))
+            if self.is_async:  # a task per thread, each taking units until none is left
+                futures = [self._io.submit(self._load_queue, queue)
+                           for _ in range(min(self._num_threads, queue.num_units))]
+            else:
+                futures = [Future()]
+                self._load_queue(queue)
+                futures[0].set_result(None)
+            self._loads.setdefault(rid, []).extend(futures)
 
-    def _load_tasks(self, transfers: list[BlockTransfer]) -> list[list[BlockTransfer]]:
-        """One request's loads as I/O tasks: files are read by every I/O thread (a task
-        each: per-task overhead is paid under the GIL and would rival a block's read); the
-        blocks the host tier holds are one task, whose copies alone run at the H2D limit
-        (many threads copying at once were half as fast: measured on an H200)."""
+    def _load_units(self, transfers: list[BlockTransfer]) -> list[list[BlockTransfer]]:
+        """One request's loads (last block first) as units, in the order they are read: the
+        blocks the host tier holds are one unit, first (its copies alone run at the H2D
+        limit: many threads copying at once were half as fast, measured on an H200); the
+        files follow, a page of blocks (or on a CPU without a tier, a few blocks) a unit."""
         if self._mover is None:
-            tier, files, per_page = [], transfers, 1
-        else:  # whole pages per task
+            tier, files, per_unit = [], transfers, CPU_BLOCKS_PER_UNIT
+        else:
             in_tier = self.tier.contains([shard_key(t.key, *self._shard) for t in transfers])
             tier = [t for t, hit in zip(transfers, in_tier) if hit]
             files = [t for t, hit in zip(transfers, in_tier) if not hit]
-            per_page = self.tier.blocks_per_page
-        per_thread = -(-len(files) // self._num_threads)
-        step = max(-(-per_thread // per_page) * per_page, 1)
-        tasks = [tier, *(files[i:i + step] for i in range(0, len(files), step))]
-        return [task for task in tasks if task]
+            per_unit = self.tier.blocks_per_page
+        units = [tier, *(files[i:i + per_unit] for i in range(0, len(files), per_unit))]
+        return [unit for unit in units if unit]
+
+    def _load_queue(self, queue: _LoadQueue) -> None:
+        """An I/O task: load the queue's units until none is left (or the rest is dropped)."""
+        while (unit := queue.pop()) is not None:
+            try:
+                self._load_blocks(unit, queue)
+            finally:  # its copies have ended, landed or failed
+                queue.done(unit)
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         pass  # whole blocks move before the request is scheduled
@@ -401,6 +445,8 @@ class FsPoolWorker(KvConnectorWorker):
                         and _all_done(self._loads[rid])}
         for rid in done_saving:
             self._saves.pop(rid, None)
+        self._final = {rid: self._queues.pop(rid).progress() for rid in done_loading
+                       if rid in self._queues}
         with self._lock:
             for rid in done_loading:
                 self._loads.pop(rid, None)
@@ -415,6 +461,10 @@ class FsPoolWorker(KvConnectorWorker):
         of the page its copy is writing."""
         running = []
         for rid in request_ids:
+            queue = self._queues.pop(rid, None)
+            if queue is not None:  # its running tasks read no other block
+                queue.abort()
+            self._final.pop(rid, None)
             running += [f for f in self._loads.pop(rid, ()) if not f.cancel()]
             saves = self._saves.pop(rid, ())
             running += (list(saves) if self._mover is not None
@@ -424,6 +474,16 @@ class FsPoolWorker(KvConnectorWorker):
             for rid in request_ids:
                 self._bad_block.pop(rid, None)
                 self._failed.pop(rid, None)
+
+    def get_load_progress(self, loading_ids: list[str]) -> dict[str, LoadProgress]:
+        progress = {}
+        for rid in loading_ids:
+            queue = self._queues.get(rid)
+            if queue is not None:
+                progress[rid] = queue.progress()
+            elif rid in self._final:
+                progress[rid] = self._final[rid]
+        return progress
 
     def get_failed_loads(self) -> dict[str, int]:
         with self._lock:
@@ -448,15 +508,20 @@ class FsPoolWorker(KvConnectorWorker):
 
     # -- I/O threads -------------------------------------------------------------------
 
-    def _load_blocks(self, transfers: list[BlockTransfer]) -> None:
+    def _load_blocks(self, transfers: list[BlockTransfer], queue: _LoadQueue) -> None:
+        """Load one unit; once its request is aborted, the blocks not read yet are skipped."""
         start = time.perf_counter()
         if self._mover is None:
-            ok = sum(self._read_block(t, self._block_bytes[t.block_id]) is not None
+            ok = sum(not queue.is_aborted
+                     and self._read_block(t, self._block_bytes[t.block_id]) is not None
                      for t in transfers)
         else:  # through pages: blocks not read came from the tier
             failed = []
 
             def read(i: int, dest: memoryview) -> int | None:
+                if queue.is_aborted:
+                    failed.append(i)
+                    return None
                 checksum = self._read_block(transfers[i], dest, verify=not self._mover.verifies)
                 if checksum is None:
                     failed.append(i)
@@ -483,6 +548,8 @@ class FsPoolWorker(KvConnectorWorker):
         if path in UNUSABLE_FILES:  # corrupt, and still there: never read again
             self._record_failure(t, "missing_blocks")
             return None
+        if self._throttle is not None:
+            self._throttle.wait(self.layout.block_nbytes)
         try:
             return pf.read_block_into(self.root, self.namespace, key, dest, self.block_shape,
                                       self.dtype, touch_after=self._touch_after,
@@ -553,6 +620,83 @@ class FsPoolWorker(KvConnectorWorker):
         if trim:
             self._trim()
         return True
+
+
+class _LoadQueue:
+    """One request's load as units (lists of blocks), taken by I/O tasks in order (last
+    blocks first), and what has become of each of its blocks. Thread-safe."""
+
+    QUEUED, RUNNING, LANDED = 1, 2, 3
+
+    def __init__(self, units: list[list[BlockTransfer]]):
+        self._units = deque(units)
+        self.num_units = len(units)
+        indices = [t.block_index for unit in units for t in unit]
+        self.first, self.end = min(indices), max(indices) + 1
+        self._state = [0] * (self.end - self.first)  # per block from `first`: 0 = not loaded
+        for i in indices:
+            self._state[i - self.first] = self.QUEUED
+        self._lock = threading.Lock()
+        self.is_aborted = False  # the units running skip the blocks they have not read
+
+    def abort(self) -> None:
+        self.drop(self.end)
+        self.is_aborted = True
+
+    def pop(self) -> list[BlockTransfer] | None:
+        with self._lock:
+            if not self._units:
+                return None
+            unit = self._units.popleft()
+            self._mark(unit, self.RUNNING)
+            return unit
+
+    def done(self, unit: list[BlockTransfer]) -> None:
+        with self._lock:
+            self._mark(unit, self.LANDED)
+
+    def drop(self, num_blocks: int) -> None:
+        """Take the queued units that lie wholly below block `num_blocks` off the queue."""
+        with self._lock:
+            keep = deque()
+            for unit in self._units:
+                if max(t.block_index for t in unit) < num_blocks:
+                    self._mark(unit, 0)
+                else:
+                    keep.append(unit)
+            self._units = keep
+
+    def progress(self) -> LoadProgress:
+        with self._lock:
+            state = self._state
+            landed = len(state)
+            while landed > 0 and state[landed - 1] == self.LANDED:
+                landed -= 1
+            pending = next((i for i, s in enumerate(state)
+                            if s in (self.QUEUED, self.RUNNING)), None)
+            writes_from = landed if pending is None else pending
+            return LoadProgress(self.first + writes_from, self.first + landed)
+
+    def _mark(self, unit: list[BlockTransfer], state: int) -> None:
+        for t in unit:
+            self._state[t.block_index - self.first] = state
+
+
+class _Throttle:
+    """Paces reads to a rate shared by every thread: each read waits for its turn."""
+
+    def __init__(self, gbps: float):
+        self._bytes_per_s = gbps * 1e9
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def wait(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self._bytes_per_s
+        if start > now:
+            time.sleep(start - now)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

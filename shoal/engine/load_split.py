@@ -1,0 +1,167 @@
+"""Compute or load? How a pool hit is split between the front the engine computes and the
+back the connector loads (SPEC 3.1), from rates measured while the engine runs.
+
+A hit of n tokens after the local prefix is loaded last block first while the engine
+computes it front first, a chunk a step. Before each front chunk the blocks the front
+reaches next are dropped from the load (copies already running still land); where the
+two meet, the request jumps past the landed blocks. With a prefill rate of C tokens/s and
+a load rate of L tokens/s (after a first-block latency F) they meet after about
+F + n / (C + L) seconds (less than n / C and than F + n / L).
+
+    tokens   c ..... front ....|.. dropped ..|..... queued / copying ....|.. landed .. e
+             computed, a chunk  the front's   the load's (never touched   first-last
+             a step             next chunks   by a forward)
+
+The rates are exponentially weighted averages: the prefill rate from steps that are mostly
+prefill (and from one forward at bring-up where the engine can run one), the load rate
+and latency from each finished load. Until a rate is known the front takes one block a
+step, which costs little and measures both. Under TP every rank must decide alike: the
+lead rank's planner decides (KVTransfers shares its answers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.kv.kv_cache_manager import cdiv
+
+log = logging.getLogger(__name__)
+
+SMOOTHING = 0.5  # weight of a new measurement in a rate
+MIN_PREFILL_TOKENS = 32  # a step measures the prefill rate if it computes this many
+
+
+@dataclass
+class Ewma:
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        if x > 0 and math.isfinite(x):
+            self.value = x if self.value is None else (1 - SMOOTHING) * self.value + SMOOTHING * x
+
+
+@dataclass(frozen=True)
+class FrontStep:
+    """What the front of a loading request does in one step."""
+
+    num_tokens: int  # tokens the front may compute this step (before the load's limit)
+    drop_to: int  # blocks below this index are the engine's: dropped from the load
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """At admission: how a hit is served."""
+
+    load_from: int  # first block the connector loads (== the hit's end: nothing loaded)
+    first: FrontStep | None  # the front's first step (None: the front waits for the load)
+
+
+class LoadPlanner:
+    def __init__(self, block_size: int, max_num_tokens: int):
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.prefill_tps = Ewma()  # tokens/s of prefill forwards
+        self.load_tps = Ewma()  # tokens/s of loads once their first blocks landed
+        self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= MIN_PREFILL_TOKENS:
+            self.prefill_tps.add(num_tokens / seconds)
+
+    def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None) -> None:
+        """A finished load: `num_tokens` landed in `seconds`, the first of them after
+        `first_landed_s` (None: not seen before the load finished)."""
+        if num_tokens <= 0:
+            return
+        latency = min(first_landed_s if first_landed_s is not None else 0.0, seconds)
+        self.load_latency_s.add(max(latency, 1e-6))
+        self.load_tps.add(num_tokens / max(seconds - latency, seconds / 2))
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def admit(self, first: int, end: int) -> LoadDecision:
+        """A hit of blocks [first, end) of a request that can compute while loading."""
+        step = self.front_step(first * self.block_size, first, end, end, None, 0.0)
+        if step.drop_to >= end:  # computing it all is faster: nothing is loaded
+            return LoadDecision(end, None)
+        return LoadDecision(max(first, step.drop_to), step)
+
+    def front_step(self, front: int, writes_from: int, landed_from: int, end: int,
+                   started: float | None, now: float) -> FrontStep:
+        """The front at token `front` of a hit ending at block `end`; the load may still
+        write blocks [writes_from, landed_from) and has landed the rest; it started at
+        `started` (None: it has not started yet)."""
+        bs = self.block_size
+        C = self.prefill_tps.value
+        remaining = landed_from * bs - front  # tokens between the front and the landed blocks
+        if C is None or remaining <= 0:  # the prefill rate is unknown: the load goes on
+            return FrontStep(0, 0)
+        rate = self._load_rate((end - landed_from) * bs, None if started is None else now - started)
+        if rate is None:  # nothing known of the load yet: the front waits for a first word,
+            # but no longer than half the time it takes to compute it all (a dead-slow store)
+            if started is not None and 2 * (now - started) >= remaining / C:
+                return FrontStep(min(remaining, self.max_num_tokens), landed_from)
+            return FrontStep(0, 0)
+        L, latency = rate
+        # they meet after T: C * T + L * (T - latency) = remaining (the load adds nothing
+        # if its latency outlasts computing it all)
+        meet = (remaining + L * latency) / (C + L) if latency < remaining / C else remaining / C
+        if L * (meet - latency) < bs:  # the load would not add a block: compute it all
+            return FrontStep(min(remaining, self.max_num_tokens), landed_from)
+        # half the front's share a step, the rest dropped from the load a step ahead (a drop
+        # reaches the worker with the next step's plan): they meet about where predicted
+        share = int(C * meet) // bs * bs
+        chunk = min(max(share // 2 // bs * bs, bs if share else 0), self.max_num_tokens)
+        if chunk <= 0:  # the load lands before a block could be computed: wait for it
+            return FrontStep(0, 0)
+        return FrontStep(chunk, min(cdiv(front + max(share, 2 * chunk), bs), landed_from))
+
+    def _load_rate(self, num_landed: int, waited: float | None) -> tuple[float, float] | None:
+        """(tokens/s, seconds before the first block lands) of the load from here: its own
+        rate once it has landed something, before that the rates of earlier loads (None:
+        there were none)."""
+        if waited is not None and waited > 0 and num_landed > 0:
+            return num_landed / waited, 0.0
+        L, F = self.load_tps.value, self.load_latency_s.value
+        if L is None:
+            return None
+        return L, max((F or 0.0) - (waited or 0.0), 0.0)
+
+    # -- the last run's rates ------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Keep the measured rates for the next engine of the same model and pool."""
+        rates = {"prefill_tps": self.prefill_tps.value, "load_tps": self.load_tps.value,
+                 "load_latency_s": self.load_latency_s.value}
+        if all(v is None for v in rates.values()):
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(rates))
+            os.replace(tmp, path)
+        except OSError as e:  # a cache that cannot be written costs a start-up, nothing more
+            log.debug("rates not saved to %s: %s", path, e)
+
+    def restore(self, path: Path) -> None:
+        """Start from the rates a previous engine saved (none, or unreadable: measure anew)."""
+        try:
+            rates = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        for name in ("prefill_tps", "load_tps", "load_latency_s"):
+            value = rates.get(name) if isinstance(rates, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                getattr(self, name).add(float(value))
+
+    def stats(self) -> dict[str, float]:
+        return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
+                "load_tokens_per_s": self.load_tps.value or 0.0,
+                "load_latency_s": self.load_latency_s.value or 0.0}

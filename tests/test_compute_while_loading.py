@@ -1,0 +1,185 @@
+"""A pool hit's front computed while its back loads (SPEC 3.1), against runs without a pool.
+
+The planner's rates are pinned (measurements switched off) and the pool's reads paced with
+`max_read_gbps`, so each test knows how its hit is split at admission; what happens after
+follows the real progress of the load, and every assertion holds whatever it is."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shoal import LLM, SamplingParams
+from shoal.connectors import ConnectorConfig
+from shoal.connectors.fs import format as pf
+from shoal.kv.block_keys import extend_block_keys, request_seed
+from tests.conftest import random_prompts
+
+SP = SamplingParams(max_tokens=8)
+KW = dict(block_size=4, num_kv_blocks=128)
+BLOCK_NBYTES = 3 * 2 * 4 * 2 * 16 * 4  # the tiny model's block: layers, K+V, tokens, heads, dim
+PER_BLOCK_S = 0.02  # the paced pool reads a block in this time
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return random_prompts(512, [42], seed=11)[0]  # 10 full blocks of 4 in the pool, then 2
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, prompt):
+    with LLM(tiny_model, **KW) as llm:
+        return llm.generate([prompt], SP)[0].token_ids
+
+
+@pytest.fixture
+def pool(tiny_model, prompt, tmp_path):
+    root = tmp_path / "pool"
+    with LLM(tiny_model, kv_pool=str(root), **KW) as llm:
+        llm.generate([prompt], SP)
+        assert llm.stats()["blocks_saved"] == 10
+    return root
+
+
+def paced(root, per_block_s=PER_BLOCK_S, **kw) -> ConnectorConfig:
+    return ConnectorConfig(name="fs", options={"root": str(root),
+                                               "max_read_gbps": BLOCK_NBYTES / per_block_s / 1e9},
+                           **kw)
+
+
+def pin_rates(llm: LLM, prefill: float, load: float, latency: float = 0.0) -> None:
+    """The planner decides from these rates and measures nothing."""
+    p = llm.engine.transfers.planner
+    p.prefill_tps.value, p.load_tps.value, p.load_latency_s.value = prefill, load, latency
+    p.observe_prefill = p.observe_load = lambda *a, **k: None
+
+
+def block_key(llm: LLM, prompt: list[int], i: int) -> bytes:
+    keys: list[bytes] = []
+    extend_block_keys(keys, prompt, 4, request_seed(bytes.fromhex(llm.engine.info.namespace), None))
+    return keys[i]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, pool, overlap):
+    with LLM(tiny_model, kv_connector=paced(pool), overlap_scheduler=overlap, **KW) as llm:
+        # C = 400 tokens/s, L = 200: they meet after 40 / 600 s, the front's share 24 tokens
+        pin_rates(llm, prefill=400.0, load=200.0)
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+        s = llm.stats()
+    assert out.token_ids == baseline
+    hit = out.pool_hit
+    assert hit.decision == "split" and hit.num_matched_tokens == 40
+    assert hit.num_front_tokens >= 12 and hit.num_front_tokens % 4 == 0
+    assert hit.num_front_tokens + hit.num_loaded_tokens == 40  # every matched token, once
+    assert out.num_connector_tokens == hit.num_loaded_tokens
+    assert s["pool_hits_split"] == 1 and s["front_tokens_computed"] == hit.num_front_tokens
+    assert s["connector_tokens_loaded"] == hit.num_loaded_tokens
+    assert s["blocks_loaded"] * 4 >= hit.num_loaded_tokens  # landed blocks the front passed too
+
+
+def test_a_store_slower_than_computing_is_not_read(tiny_model, prompt, baseline, pool):
+    with LLM(tiny_model, kv_connector=paced(pool), **KW) as llm:
+        pin_rates(llm, prefill=10_000.0, load=10.0)  # the load would not add a block
+        out = llm.generate([prompt], SP)[0]
+        s = llm.stats()
+    assert out.token_ids == baseline
+    assert out.pool_hit.decision == "compute" and out.num_connector_tokens == 0
+    assert out.pool_hit.num_front_tokens == 40
+    assert s["blocks_loaded"] == 0 and s["pool_hits_computed"] == 1
+
+
+def test_a_store_faster_than_computing_is_read_whole(tiny_model, prompt, baseline, pool):
+    with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:
+        pin_rates(llm, prefill=1.0, load=1e9)  # not one block could be computed first
+        out = llm.generate([prompt], SP)[0]
+        s = llm.stats()
+    assert out.token_ids == baseline
+    assert out.pool_hit.decision == "load" and out.num_connector_tokens == 40
+    assert out.pool_hit.num_front_tokens == 0 and s["pool_hits_loaded"] == 1
+
+
+def test_a_corrupt_block_in_the_loaded_half_is_recomputed(tiny_model, prompt, baseline, pool):
+    with LLM(tiny_model, kv_pool=str(pool), **KW) as probe:
+        bad = block_key(probe, prompt, 8)  # in the back, loaded by the first unit read
+    path = pf.block_path(pool, bad)
+    data = bytearray(path.read_bytes())
+    data[pf.HEADER_SIZE + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with LLM(tiny_model, kv_connector=paced(pool), **KW) as llm:
+        pin_rates(llm, prefill=400.0, load=200.0)
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+        s = llm.stats()
+    assert out.token_ids == baseline
+    hit = out.pool_hit
+    assert s["corrupt_blocks"] == 1 and s["load_failures_recomputed"] == 1
+    assert hit.num_front_tokens + hit.num_loaded_tokens <= 32  # block 8 on was recomputed
+    assert len(list((pool / "quarantine").iterdir())) == 1
+
+
+def test_a_load_failing_in_the_loaded_half_is_recomputed(tiny_model, prompt, baseline, pool):
+    with LLM(tiny_model, kv_pool=str(pool), **KW) as probe:
+        gone = pf.block_path(pool, block_key(probe, prompt, 9))
+    gone.unlink()  # after no lookup: the pool no longer has block 9, the hit is blocks 0-8
+    with LLM(tiny_model, kv_connector=paced(pool), **KW) as llm:
+        pin_rates(llm, prefill=400.0, load=200.0)
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+    assert out.token_ids == baseline and out.pool_hit.num_matched_tokens == 36
+
+
+def test_policy_fail_ends_the_request_with_an_error(tiny_model, prompt, pool, monkeypatch):
+    real = pf.read_block_into
+
+    def missing_back(root, namespace, key, dest, shape, dtype, **kw):
+        raise pf.BlockMissing(key.hex())  # every file vanished after the lookup
+    monkeypatch.setattr(pf, "read_block_into", missing_back)
+    with LLM(tiny_model, kv_connector=paced(pool, load_failure_policy="fail"), **KW) as llm:
+        pin_rates(llm, prefill=400.0, load=200.0)
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+        monkeypatch.setattr(pf, "read_block_into", real)
+        again = llm.generate([prompt[:5]], SP)[0]  # the engine goes on
+    assert out.finish_reason == "error" and "failed at block" in out.error
+    assert again.finish_reason == "length"
+
+
+def test_cancel_mid_load_waits_for_the_copies_and_leaks_nothing(tiny_model, prompt, pool):
+    with LLM(tiny_model, kv_connector=paced(pool, per_block_s=0.1), **KW) as llm:
+        pin_rates(llm, prefill=400.0, load=200.0)
+        h = llm.submit(prompt, SP)
+        deadline = time.monotonic() + 60
+        while llm.stats()["pool_hits_split"] == 0:  # admitted: its load is pending now
+            assert time.monotonic() < deadline, "the request was never admitted"
+        h.cancel()
+        out = h.result(timeout=60)
+        llm.check_integrity()
+        assert llm.stats()["kv_blocks_used"] == 0  # every block of the cancelled load let go
+    assert out.finish_reason == "cancelled"
+
+
+def test_a_deadline_mid_load_aborts_it_and_the_engine_goes_on(tiny_model, prompt, pool):
+    # 10 blocks at 0.1 s each: the load outlasts its deadline; the abort waits for the
+    # block each I/O thread is reading, no more
+    cfg = paced(pool, per_block_s=0.1, transfer_timeout_sec=0.5)
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        pin_rates(llm, prefill=40.0, load=1000.0)
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+        s = llm.stats()
+        again = llm.generate([prompt[:5]], SP)[0]
+    assert out.finish_reason == "error" and "deadline" in out.error
+    assert s["deadline_expiries"] >= 1 and s["transfers_aborted"] >= 1
+    assert again.finish_reason == "length"
+
+
+def test_whole_loads_when_asked(tiny_model, prompt, baseline, pool):
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool)}, compute_while_loading=False)
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        pin_rates(llm, prefill=1e9, load=1.0)  # would compute it all if it could choose
+        out = llm.generate([prompt], SP)[0]
+    assert out.token_ids == baseline and out.num_connector_tokens == 40
+    assert out.pool_hit.decision == "load"

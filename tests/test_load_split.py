@@ -1,0 +1,94 @@
+"""The compute-or-load decision (shoal.engine.load_split): pure functions of measured rates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shoal.engine.load_split import LoadPlanner
+
+BS = 16
+
+
+def planner(prefill=None, load=None, latency=0.0, max_num_tokens=8192) -> LoadPlanner:
+    p = LoadPlanner(BS, max_num_tokens)
+    p.prefill_tps.value, p.load_tps.value = prefill, load
+    p.load_latency_s.value = latency if load is not None else None
+    return p
+
+
+def test_unknown_rates_load_it_all_and_the_front_waits():
+    for p in (planner(), planner(prefill=1000.0)):
+        d = p.admit(0, 64)
+        assert d.load_from == 0 and d.first.num_tokens == 0
+
+
+def test_a_store_slower_than_computing_is_not_loaded_at_all():
+    # 1% of the rate at which loading would take as long as computing
+    d = planner(prefill=10_000.0, load=100.0).admit(4, 68)
+    assert d.load_from == 68 and d.first is None
+    # a fixed latency longer than computing it all is the break-even size at work
+    d = planner(prefill=10_000.0, load=1e9, latency=0.2).admit(0, 64)  # 1024 tokens: 0.1 s
+    assert d.load_from == 64
+
+
+def test_a_store_much_faster_than_computing_loads_everything():
+    d = planner(prefill=300.0, load=150_000.0, latency=0.001).admit(2, 130)
+    assert d.load_from == 2 and d.first.num_tokens == 0  # not one block could be computed first
+
+
+def test_equal_rates_split_in_the_middle_and_the_front_starts_at_once():
+    p = planner(prefill=100_000.0, load=100_000.0)
+    d = p.admit(0, 512)  # 8192 tokens: they meet after 41 ms, half of it each
+    assert d.load_from == 256  # n * C / (C + L): the load starts at the meeting point
+    assert d.first.num_tokens == 2048  # half the front's share in its first step
+
+
+def test_the_load_s_own_rate_overrides_earlier_loads():
+    p = planner(prefill=1000.0, load=1e9)
+    # 10 s in, only 16 of 1024 tokens landed: this load is dead slow, compute the rest
+    step = p.front_step(0, 0, 63, 64, started=0.0, now=10.0)
+    assert step.num_tokens == min(63 * BS, 8192) and step.drop_to == 63
+
+
+def test_no_word_from_a_first_load_is_waited_for_only_so_long():
+    p = planner(prefill=1000.0)  # computing the 1024 tokens takes 1.024 s
+    assert p.front_step(0, 0, 64, 64, started=0.0, now=0.3).num_tokens == 0
+    step = p.front_step(0, 0, 64, 64, started=0.0, now=0.6)
+    assert step.num_tokens == 1024 and step.drop_to == 64
+
+
+def test_the_front_never_passes_the_landed_blocks():
+    p = planner(prefill=1e6, load=10.0)
+    step = p.front_step(40 * BS, 40, 50, 64, started=0.0, now=1.0)
+    assert step.num_tokens <= 10 * BS and step.drop_to <= 50
+    assert p.front_step(50 * BS, 50, 50, 64, started=0.0, now=1.0).num_tokens == 0
+
+
+def test_measurements_move_the_rates():
+    p = planner()
+    p.observe_prefill(8, 1.0)  # too small a step to say anything
+    assert p.prefill_tps.value is None
+    p.observe_prefill(1000, 0.5)
+    assert p.prefill_tps.value == 2000.0
+    p.observe_load(1024, 1.0, first_landed_s=0.2)
+    assert p.load_latency_s.value == pytest.approx(0.2)
+    assert p.load_tps.value == pytest.approx(1024 / 0.8)
+
+
+def test_rates_are_kept_for_the_next_run(tmp_path):
+    path = tmp_path / "rates" / "x.json"
+    p = planner(prefill=123.0, load=456.0, latency=0.5)
+    p.save(path)
+    q = planner()
+    q.restore(path)
+    assert (q.prefill_tps.value, q.load_tps.value, q.load_latency_s.value) == (123.0, 456.0, 0.5)
+    path.write_text(json.dumps({"prefill_tps": "fast", "load_tps": True}))  # garbage: ignored
+    r = planner()
+    r.restore(path)
+    assert r.prefill_tps.value is None and r.load_tps.value is None
+    path.write_text("{not json")
+    planner().restore(path)  # no error
+    planner().save(tmp_path / "rates" / "empty.json")  # nothing measured: nothing written
+    assert not (tmp_path / "rates" / "empty.json").exists()
