@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import replace
 
-from shoal.connectors.fs.connector import FsPoolMeta, FsPoolScheduler, FsPoolWorker
+from shoal.connectors.fs.connector import _LoadQueue, FsPoolMeta, FsPoolScheduler, FsPoolWorker
 
 
 class InjectedFault(RuntimeError):
@@ -71,6 +71,7 @@ class _Faulty:
 
 class FaultScheduler(_Faulty, FsPoolScheduler):
     supports_attention_dp = True
+    supports_partial_loads = False  # held loads are whole: they bypass the fs load queues
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.faults.hook("get_num_new_matched_tokens")
@@ -91,6 +92,7 @@ class FaultScheduler(_Faulty, FsPoolScheduler):
 
 class FaultWorker(_Faulty, FsPoolWorker):
     supports_attention_dp = True
+    supports_partial_loads = False
 
     def __init__(self, config, ctx):
         super().__init__(config, ctx)
@@ -144,7 +146,7 @@ class FaultWorker(_Faulty, FsPoolWorker):
         table = self._loads if kind == "load" else self._saves
         table[t.request_id].remove(placeholder)
         if kind == "load":
-            table[t.request_id].append(self._io.submit(self._load_blocks, [t]))
+            table[t.request_id].append(self._io.submit(self._load_blocks, [t], _LoadQueue([[t]])))
         else:  # the late copy out of the KV, started as a step's saves are
             meta = self.get_connector_meta()
             self.bind_connector_meta(FsPoolMeta(saves=[t]))

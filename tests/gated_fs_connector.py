@@ -15,9 +15,9 @@ __all__ = ["FsPoolScheduler", "GatedFsWorker"]
 
 
 class GatedFsWorker(FsPoolWorker):
-    def _load_blocks(self, transfers):
+    def _load_blocks(self, transfers, queue):
         gate = os.environ.get("SHOAL_TEST_LOAD_GATE")
         if gate:
             with open(gate, "rb"):
                 pass
-        super()._load_blocks(transfers)
+        super()._load_blocks(transfers, queue)

@@ -80,15 +80,26 @@ def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, p
     assert s["blocks_loaded"] * 4 >= hit.num_loaded_tokens  # landed blocks the front passed too
 
 
-def test_a_store_slower_than_computing_is_not_read(tiny_model, prompt, baseline, pool):
+def test_a_store_slower_than_computing_is_not_read(tiny_model, prompt, baseline, pool,
+                                                   monkeypatch):
+    looked: dict[str, int] = {}
+    real = pf.is_block_file
+
+    def counting(path: str) -> bool:
+        looked[path] = looked.get(path, 0) + 1
+        return real(path)
+    monkeypatch.setattr(pf, "is_block_file", counting)
     with LLM(tiny_model, kv_connector=paced(pool), **KW) as llm:
         pin_rates(llm, prefill=10_000.0, load=10.0)  # the load would not add a block
         out = llm.generate([prompt], SP)[0]
         s = llm.stats()
+        keys = [block_key(llm, prompt, i) for i in range(10)]
     assert out.token_ids == baseline
     assert out.pool_hit.decision == "compute" and out.num_connector_tokens == 0
     assert out.pool_hit.num_front_tokens == 40
     assert s["blocks_loaded"] == 0 and s["pool_hits_computed"] == 1
+    # found at admission, and not looked for again when the computed blocks are saved
+    assert [looked.get(pf.block_path_str(str(pool), k)) for k in keys] == [1] * 10
 
 
 def test_a_store_faster_than_computing_is_read_whole(tiny_model, prompt, baseline, pool):

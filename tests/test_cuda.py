@@ -84,7 +84,9 @@ def test_fs_pool_round_trip_on_cuda(tiny_models, tmp_path, load_mode):
     kw = dict(device="cuda", block_size=4, num_kv_blocks=128)
     with LLM(path, **kw) as llm:
         expected = reference(llm, prompts, SamplingParams(max_tokens=12))
-    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path), "load_mode": load_mode})
+    # whole loads: every matched block is loaded (a split depends on measured rates)
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path), "load_mode": load_mode},
+                          compute_while_loading=False)
     runs = []
     for _ in range(2):  # producer, then a fresh consumer
         with LLM(path, kv_connector=cfg, **kw) as llm:
@@ -173,8 +175,11 @@ def test_decode_graphs_with_a_pool_on_cuda(tiny_models, tmp_path):
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(path, **kw) as llm:
         expected = reference(llm, prompts, sp)
+    from shoal.connectors import ConnectorConfig
+
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path)}, compute_while_loading=False)
     for _ in range(2):
-        with LLM(path, kv_pool=str(tmp_path), **kw) as llm:
+        with LLM(path, kv_connector=cfg, **kw) as llm:
             outs = llm.generate(prompts, sp)
             assert llm.engine.runner.graphs.num_replays > 0
             llm.check_integrity()
@@ -225,7 +230,8 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
     path, prompts, kw, sp, expected, block_nbytes = _bf16_pool_workload(tiny_models, seed=5)
     pool = tmp_path / "pool"
     tier_bytes = 1 << 26 if tier == "roomy" else block_nbytes
-    cfg = ConnectorConfig(name="fs", options={"root": str(pool), "host_tier_bytes": tier_bytes})
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool), "host_tier_bytes": tier_bytes},
+                          compute_while_loading=False)
     with LLM(path, kv_connector=cfg, **kw) as llm:  # computes, saves through pages
         assert_same_greedy(expected, llm.generate(prompts, sp))
         worker_tier = llm.engine.transfers.calls.worker.tier
@@ -259,7 +265,7 @@ def test_loads_verified_on_the_gpu(tiny_models, tmp_path):
 
     path, prompts, kw, sp, expected, _ = _bf16_pool_workload(tiny_models, seed=7)
     pool = tmp_path / "pool"
-    cfg = ConnectorConfig(name="fs", options={"root": str(pool)})
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool)}, compute_while_loading=False)
     with LLM(path, kv_connector=cfg, **kw) as llm:
         assert_same_greedy(expected, llm.generate(prompts, sp))
     outs, stats = _run_checked(path, cfg, kw, prompts, sp,
@@ -282,6 +288,38 @@ def test_loads_verified_on_the_gpu(tiny_models, tmp_path):
         llm.check_integrity()
     assert outs[1].finish_reason == "cancelled" or outs[1].token_ids == expected[1].token_ids
     assert_same_greedy([expected[0], expected[2]], [outs[0], outs[2]])
+
+
+@pytest.mark.parametrize("source", ["files", "tier"])
+def test_compute_while_loading_on_cuda(tiny_models, tmp_path, source):
+    """The front computed on the GPU while the back loads through pinned pages (rates pinned
+    so that every hit is split): the no-pool tokens, each matched token computed or loaded
+    once, every block accounted for; from the files, then (tier) from the host tier."""
+    from shoal.connectors import ConnectorConfig
+
+    path, prompts, kw, sp, expected, block_nbytes = _bf16_pool_workload(tiny_models, seed=9)
+    pool = tmp_path / "pool"
+    with LLM(path, kv_pool=str(pool), **kw) as llm:  # computes and saves
+        assert_same_greedy(expected, llm.generate(prompts, sp))
+    # reads paced at 2 ms a block: the loads take as long as the pinned rates say
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool),
+                                              "max_read_gbps": block_nbytes / 2e-3 / 1e9})
+    with LLM(path, kv_connector=cfg, **kw) as llm:
+        planner = llm.engine.transfers.planner
+        planner.prefill_tps.value, planner.load_tps.value = 2000.0, 2000.0
+        planner.load_latency_s.value = 0.0
+        planner.observe_prefill = planner.observe_load = lambda *a, **k: None
+        if source == "tier":
+            llm.generate(prompts, sp)
+        outs = llm.generate(prompts, sp)
+        llm.check_integrity()
+        stats = llm.stats()
+    assert_same_greedy(expected, outs)
+    for out in outs:
+        hit = out.pool_hit
+        assert hit.decision == "split" and hit.num_front_tokens > 0
+        assert hit.num_front_tokens + hit.num_loaded_tokens == hit.num_matched_tokens
+    assert stats["pool_hits_split"] == (6 if source == "tier" else 3)
 
 
 def test_bench_pool_io_on_cuda():

@@ -42,7 +42,16 @@ def test_equal_rates_split_in_the_middle_and_the_front_starts_at_once():
     p = planner(prefill=100_000.0, load=100_000.0)
     d = p.admit(0, 512)  # 8192 tokens: they meet after 41 ms, half of it each
     assert d.load_from == 256  # n * C / (C + L): the load starts at the meeting point
-    assert d.first.num_tokens == 2048  # half the front's share in its first step
+    assert d.first.num_tokens == 4096  # the front's share, in one forward
+
+
+def test_a_forward_s_fixed_cost_moves_the_split_towards_the_load():
+    p = planner(prefill=100_000.0, load=100_000.0)
+    p.prefill_overhead_s = 0.01  # 1000 tokens' worth
+    d = p.admit(0, 512)
+    assert d.load_from == (4096 - 500) // BS * BS // BS  # the front gives up half of it
+    p.prefill_overhead_s = 0.05  # a forward costs more than the load of its share saves
+    assert p.admit(0, 512).first.num_tokens == 0
 
 
 def test_the_load_s_own_rate_overrides_earlier_loads():
@@ -92,3 +101,13 @@ def test_rates_are_kept_for_the_next_run(tmp_path):
     planner().restore(path)  # no error
     planner().save(tmp_path / "rates" / "empty.json")  # nothing measured: nothing written
     assert not (tmp_path / "rates" / "empty.json").exists()
+
+
+def test_two_forwards_give_the_rate_and_the_fixed_cost():
+    p = planner()
+    # 512 tokens in 12.5 ms, 2048 in 22.5 ms: 153.6k tokens/s past a 9.2 ms fixed cost
+    p.calibrate_prefill((512, 0.0125), (2048, 0.0225))
+    assert p.prefill_tps.value == pytest.approx(153_600)
+    assert p.prefill_overhead_s == pytest.approx(0.0125 - 512 / 153_600)
+    p.observe_prefill(4096, 0.0125 - 512 / 153_600 + 4096 / 153_600)  # the same line
+    assert p.prefill_tps.value == pytest.approx(153_600)

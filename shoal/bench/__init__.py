@@ -14,7 +14,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from shoal.bench.ttft import run_ttft, run_ttft_dp
         if args.dp > 1:
             return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device)
-        return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp)
+        return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp,
+                        args.pool_read_gbps, args.source)
     if args.bench == "pool-io":
         from shoal.bench.pool_io import run_pool_io
         from shoal.connectors.fs.connector import default_io_threads

@@ -1,5 +1,6 @@
 """`shoal bench ttft`: TTFT of a long shared prefix in a fresh engine with the prefix in the
-pool vs recomputed, measured side by side in one run."""
+pool (loaded whole, or computed from the front while the back loads) vs recomputed,
+measured side by side in one run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import tempfile
 import torch
 
 from shoal import LLM, SamplingParams
+from shoal.connectors import ConnectorConfig
+from shoal.request import RequestOutput
 from shoal.kv.kv_cache_manager import cdiv
 
 ONE = SamplingParams(max_tokens=1)
@@ -25,45 +28,85 @@ def _prompt(llm: LLM, num_tokens: int) -> list[int]:
     return ids + llm.tokenizer.encode(" Question: what must the tenant do?")[:16]
 
 
-def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int = 1) -> int:
-    """tp > 1: every engine is a TP fleet (each rank saves and loads its shard). On a GPU the
-    prompt is prefilled in one chunk (as fast as recomputing goes) and decode graphs are
-    not captured (they play no part in a TTFT)."""
+def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int = 1,
+             pool_read_gbps: float | None = None, source: str = "files") -> int:
+    """TTFT of one prompt whose prefix the pool holds, each way in a fresh engine per round:
+    recomputed (no pool), loaded whole before computing on (`compute_while_loading=False`),
+    and computed from the front while the back loads (the default); and the floor
+    n / (C + L), with C and L the rates the first two imply. `pool_read_gbps` caps the
+    pool's file reads (a slow or shared store). `source="tier"`: the hit comes from the
+    host tier (the engine loads the prompt once from files first; prefix caching is off
+    so the second request goes to the pool again). tp > 1: every engine is a TP fleet. On a
+    GPU the prompt is prefilled in one chunk and decode graphs are not captured."""
     kw = dict(device=device, tp_size=tp)
     if device.startswith("cuda"):
         kw.update(max_num_tokens=max(prefix_tokens, 2048), enforce_eager=True,
                   num_kv_blocks=cdiv(prefix_tokens, 16) + 64)
+    if source == "tier":
+        kw.update(enable_prefix_caching=False)
+    options = {} if pool_read_gbps is None else {"max_read_gbps": pool_read_gbps}
     with tempfile.TemporaryDirectory(prefix="shoal-bench-ttft-") as pool:
-        recomputed, loaded, loaded_tokens = [], [], []
+        def pool_engine(**connector) -> LLM:
+            cfg = ConnectorConfig(name="fs", options={"root": pool, **options}, **connector)
+            return LLM(model, kv_connector=cfg, **kw)
+
+        def pool_ttft(llm: LLM) -> RequestOutput:
+            if source == "tier":  # the first load brings it into the tier
+                llm.generate([prompt], ONE)
+            return llm.generate([prompt], ONE)[0]
+
         with LLM(model, kv_pool=pool, **kw) as llm:  # computes and saves
             prompt = _prompt(llm, prefix_tokens)
             # not a baseline: the process's first forward also pays one-time start-up
             # (library initialisation, first-touch of memory)
             first_s = llm.generate([prompt], ONE)[0].metrics.ttft_s
+        runs: dict[str, list] = {"recomputed": [], "load_only": [], "compute_and_load": []}
+        hits = []
         for _ in range(rounds):
-            with LLM(model, kv_pool=pool, **kw) as llm:  # fresh engine, pool hit
-                out = llm.generate([prompt], ONE)[0]
-                loaded.append(out.metrics.ttft_s)
-                loaded_tokens.append(out.num_connector_tokens)
-                bytes_loaded = llm.stats()["bytes_loaded"]
             with LLM(model, **kw) as llm:  # fresh engine, no pool: recompute
-                recomputed.append(llm.generate([prompt], ONE)[0].metrics.ttft_s)
+                runs["recomputed"].append(llm.generate([prompt], ONE)[0].metrics.ttft_s)
+            with pool_engine(compute_while_loading=False) as llm:
+                out = pool_ttft(llm)
+                runs["load_only"].append(out.metrics.ttft_s)
+                tokens_loaded, bytes_loaded = out.num_connector_tokens, llm.stats()["bytes_loaded"]
+            with pool_engine() as llm:  # the default: the front computes while the back loads
+                out = pool_ttft(llm)
+                runs["compute_and_load"].append(out.metrics.ttft_s)
+                hits.append(out.pool_hit)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    # C and L as the first two runs imply them (fixed costs included): both at once
+    floor = med["recomputed"] * med["load_only"] / (med["recomputed"] + med["load_only"])
+    last = hits[-1]
     result = {
         "bench": "ttft", "model": model, "device": device, "tp": tp, "prompt_tokens": len(prompt),
-        "rounds": rounds, "tokens_loaded": loaded_tokens[0], "bytes_loaded": bytes_loaded,
-        "ttft_recomputed_s": statistics.median(recomputed),
-        "ttft_pool_s": statistics.median(loaded),
-        "ratio_pool_over_recomputed": statistics.median(loaded) / statistics.median(recomputed),
+        "rounds": rounds, "source": source, "pool_read_gbps": pool_read_gbps,
+        "tokens_loaded": tokens_loaded, "bytes_loaded": bytes_loaded,
+        "ttft_recomputed_s": med["recomputed"], "ttft_load_only_s": med["load_only"],
+        "ttft_pool_s": med["compute_and_load"], "ttft_floor_s": floor,
+        "ratio_pool_over_recomputed": med["compute_and_load"] / med["recomputed"],
+        "ratio_load_only_over_recomputed": med["load_only"] / med["recomputed"],
+        "ratio_floor_over_recomputed": floor / med["recomputed"],
+        "split": None if last is None else {
+            "decision": last.decision, "front_tokens": last.num_front_tokens,
+            "loaded_tokens": last.num_loaded_tokens,
+            "prefill_tokens_per_s": round(last.prefill_tokens_per_s),
+            "load_tokens_per_s": round(last.load_tokens_per_s)},
         "first_run_s": round(first_s, 4),
-        "all_recomputed_s": [round(x, 4) for x in recomputed],
-        "all_pool_s": [round(x, 4) for x in loaded],
+        **{f"all_{k}_s": [round(x, 4) for x in v] for k, v in runs.items()},
     }
-    print(f"{len(prompt)}-token prompt, fresh engines{f' (tp={tp})' if tp > 1 else ''}, "
+    print(f"{len(prompt)}-token prompt, fresh engines{f' (tp={tp})' if tp > 1 else ''}, hits "
+          f"from {'the host tier' if source == 'tier' else 'files'}"
+          f"{f', reads capped at {pool_read_gbps:g} GB/s' if pool_read_gbps else ''}, "
           f"median of {rounds} rounds")
-    print(f"  TTFT recomputed          {result['ttft_recomputed_s']:8.3f} s")
-    print(f"  TTFT from the pool       {result['ttft_pool_s']:8.3f} s  "
-          f"({loaded_tokens[0]} tokens, {bytes_loaded / 1e9:.3f} GB loaded)")
-    print(f"  ratio pool / recomputed  {result['ratio_pool_over_recomputed']:8.3f}")
+    print(f"  TTFT recomputed                 {med['recomputed']:8.3f} s")
+    print(f"  TTFT loaded whole, then computed {med['load_only']:7.3f} s  ({tokens_loaded} "
+          f"tokens, {bytes_loaded / 1e9:.3f} GB)  ratio {result['ratio_load_only_over_recomputed']:.3f}")
+    print(f"  TTFT computed + loaded at once  {med['compute_and_load']:8.3f} s  ratio "
+          f"{result['ratio_pool_over_recomputed']:.3f}"
+          + ("" if last is None else f"  ({last.decision}: {last.num_front_tokens} computed, "
+             f"{last.num_loaded_tokens} loaded)"))
+    print(f"  floor n / (C + L)               {floor:8.3f} s  ratio "
+          f"{result['ratio_floor_over_recomputed']:.3f}")
     print(json.dumps(result))
     return 0
 

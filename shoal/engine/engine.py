@@ -34,7 +34,7 @@ from shoal.request import NewRequest, Request, RequestOutput, RequestStatus, Ste
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.0005  # pause of a step that only waits for transfers
-PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 512, 64  # the bring-up forward that measures prefill
+PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 2048, 128  # the bring-up forwards that measure prefill
 
 STAT_KEYS = (
     "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",
@@ -123,15 +123,17 @@ class Engine:
         freeze_what_was_built()
 
     def _measure_prefill(self) -> None:
-        """The prefill rate a load split starts from, measured by a second forward (the first
-        pays one-time costs, which no request's forward then pays). One rank only: the
-        forward of a rank in a group would wait for its peers."""
+        """The prefill rate a load split starts from, from forwards of two sizes (after a
+        first one that pays one-time costs, which no request's forward then pays). One rank
+        only: the forward of a rank in a group would wait for its peers."""
         if self.peers.topology.world_size > 1:
             return
-        num = min(self.config.max_num_tokens, PROBE_TOKENS_GPU if self.runner.is_paged
-                  or self.kv_cache.tensor.is_cuda else PROBE_TOKENS_CPU)
-        self.runner.time_prefill(num)
-        self.transfers.planner.observe_prefill(num, self.runner.time_prefill(num))
+        large = min(self.config.max_num_tokens, PROBE_TOKENS_GPU if self.kv_cache.tensor.is_cuda
+                    else PROBE_TOKENS_CPU)
+        small = max(large // 4, 1)
+        self.runner.time_prefill(small)
+        self.transfers.planner.calibrate_prefill((small, self.runner.time_prefill(small)),
+                                                 (large, self.runner.time_prefill(large)))
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -239,7 +241,8 @@ class Engine:
             batch, future, launched = self._inflight.popleft()
             out = future.result()
             sampled = out.sampled.tolist()  # waits for the device
-            if self.transfers is not None:  # the prefill rate a load split weighs (SPEC 3.1)
+            # the prefill rate a load split weighs (SPEC 3.1), from steps no load overlapped
+            if self.transfers is not None and not batch.transfers.loading_ids:
                 self.transfers.planner.observe_prefill(
                     _num_prefill_tokens(batch), time.perf_counter() - launched)
             outcome = None

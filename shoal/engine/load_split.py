@@ -2,21 +2,27 @@
 back the connector loads (SPEC 3.1), from rates measured while the engine runs.
 
 A hit of n tokens after the local prefix is loaded last block first while the engine
-computes it front first, a chunk a step. Before each front chunk the blocks the front
-reaches next are dropped from the load (copies already running still land); where the
-two meet, the request jumps past the landed blocks. With a prefill rate of C tokens/s and
-a load rate of L tokens/s (after a first-block latency F) they meet after about
-F + n / (C + L) seconds (less than n / C and than F + n / L).
+computes its front. At admission the hit is split where both would end together: the
+front's share is computed in one forward (on a GPU a forward's fixed cost is worth not
+paying twice) and the load starts after it. While the load runs, its own rate replaces
+the estimate: a load slower than expected has the blocks the front reaches next dropped
+(copies already running still land) and computed instead. Where the two meet, the
+request jumps past the landed blocks. With a prefill rate of C tokens/s and a load rate
+of L tokens/s they meet after about n / (C + L) seconds, plus the larger of a forward's
+fixed cost and the load's first-block latency.
 
     tokens   c ..... front ....|.. dropped ..|..... queued / copying ....|.. landed .. e
              computed, a chunk  the front's   the load's (never touched   first-last
              a step             next chunks   by a forward)
 
-The rates are exponentially weighted averages: the prefill rate from steps that are mostly
-prefill (and from one forward at bring-up where the engine can run one), the load rate
-and latency from each finished load. Until a rate is known the front takes one block a
-step, which costs little and measures both. Under TP every rank must decide alike: the
-lead rank's planner decides (KVTransfers shares its answers).
+The rates are exponentially weighted averages: the prefill rate and a forward's fixed cost
+from two forwards at bring-up (where the engine can run one) and from steps that are
+mostly prefill with no load pending (a load's I/O threads slow the steps they overlap),
+the load rate and latency from each finished load, and all of them from the last run
+(kept per model, device and connector options). While a rate is unknown the load goes on
+and the front waits (but no longer than half the time computing it all takes). Under TP
+every rank must decide alike: the lead rank's planner decides (KVTransfers shares its
+answers).
 """
 
 from __future__ import annotations
@@ -65,15 +71,26 @@ class LoadPlanner:
     def __init__(self, block_size: int, max_num_tokens: int):
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
-        self.prefill_tps = Ewma()  # tokens/s of prefill forwards
+        self.prefill_tps = Ewma()  # tokens/s of prefill forwards, past their fixed cost
+        self.prefill_overhead_s = 0.0  # a forward's fixed cost (launches, weight reads)
         self.load_tps = Ewma()  # tokens/s of loads once their first blocks landed
         self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
 
     # -- measurements ----------------------------------------------------------------------
 
+    def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float]) -> None:
+        """Two forwards of different sizes, (tokens, seconds) each: the prefill rate from
+        their difference and a forward's fixed cost from the rest (a GPU's forward of 512
+        tokens is mostly fixed cost: one of them alone understates the rate 4x)."""
+        (n1, t1), (n2, t2) = small, large
+        rate = (n2 - n1) / (t2 - t1) if t2 > t1 and n2 > n1 else n2 / t2
+        self.prefill_overhead_s = max(t1 - n1 / rate, 0.0)
+        self.prefill_tps.add(rate)
+
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens >= MIN_PREFILL_TOKENS:
-            self.prefill_tps.add(num_tokens / seconds)
+        busy = seconds - self.prefill_overhead_s
+        if num_tokens >= MIN_PREFILL_TOKENS and busy > seconds / 4:
+            self.prefill_tps.add(num_tokens / busy)
 
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None) -> None:
         """A finished load: `num_tokens` landed in `seconds`, the first of them after
@@ -110,18 +127,17 @@ class LoadPlanner:
                 return FrontStep(min(remaining, self.max_num_tokens), landed_from)
             return FrontStep(0, 0)
         L, latency = rate
-        # they meet after T: C * T + L * (T - latency) = remaining (the load adds nothing
-        # if its latency outlasts computing it all)
-        meet = (remaining + L * latency) / (C + L) if latency < remaining / C else remaining / C
-        if L * (meet - latency) < bs:  # the load would not add a block: compute it all
+        # the front's share x: they end together, overhead + x / C = latency + (R - x) / L
+        # (a forward's fixed cost on one side, the load's first-block latency on the other)
+        exact = (latency - self.prefill_overhead_s + remaining / L) / (1 / C + 1 / L)
+        if remaining - exact < bs:  # the load would not add a block: compute it all
             return FrontStep(min(remaining, self.max_num_tokens), landed_from)
-        # half the front's share a step, the rest dropped from the load a step ahead (a drop
-        # reaches the worker with the next step's plan): they meet about where predicted
-        share = int(C * meet) // bs * bs
-        chunk = min(max(share // 2 // bs * bs, bs if share else 0), self.max_num_tokens)
-        if chunk <= 0:  # the load lands before a block could be computed: wait for it
-            return FrontStep(0, 0)
-        return FrontStep(chunk, min(cdiv(front + max(share, 2 * chunk), bs), landed_from))
+        share = max(int(exact) // bs * bs, 0)
+        if share < max(bs, C * self.prefill_overhead_s):  # less than a forward's fixed cost
+            return FrontStep(0, 0)  # buys: the load lands it, the front waits
+        # the share in one forward (a GPU's forward has a fixed cost worth not paying twice);
+        # the load from where the share ends
+        return FrontStep(min(share, self.max_num_tokens), cdiv(front + share, bs))
 
     def _load_rate(self, num_landed: int, waited: float | None) -> tuple[float, float] | None:
         """(tokens/s, seconds before the first block lands) of the load from here: its own

@@ -98,6 +98,8 @@ class _Load:
     landed_from: int  # every block from here to the end of the hit has landed
     dropped_to: int  # blocks below this index were dropped from the load (or never in it)
     started: float = field(default_factory=time.monotonic)
+    first_tokens: int = 0  # the front's share in the admission step
+    is_planned: bool = False  # its loads went out in a plan (drops reach the worker now)
     first_landed: float | None = None  # when a landed block was first reported
     is_cancelled: bool = False  # cancelled while pending: ends once the load drains
 
@@ -125,7 +127,9 @@ class KVTransfers:
         self.partial_loads = config.compute_while_loading and self.calls.partial_loads
         self.planner = LoadPlanner(ctx.block_size, max_num_tokens)
         self._rates_path = _rates_path(config, ctx)
-        if self.partial_loads and self.calls.agreement.is_lead:
+        # rates are kept between runs wherever loads can be split (also by an engine that
+        # loads whole: what it measures serves the next one)
+        if self.calls.partial_loads and self.calls.agreement.is_lead:
             self.planner.restore(self._rates_path)
         self._loads: dict[str, _Load] = {}  # pending loads: blocks held, never preempted
         self._landed: dict[str, _Landed] = {}  # loads done, the front not there yet
@@ -184,10 +188,11 @@ class KVTransfers:
         bs = self.ctx.block_size
         first, end = num_cached // bs, (num_cached + num_external) // bs
         hit = PoolHit("load", num_external, **self._rates())
-        load_from = first
+        load_from, first_tokens = first, 0
         if self.partial_loads:
             decision = self._decide(lambda: self.planner.admit(first, end))
             load_from = decision.load_from
+            first_tokens = decision.first.num_tokens if decision.first else 0
             if load_from > first:
                 self._drop(req, load_from)
             hit.decision = ("load" if load_from == first else "split" if load_from < end
@@ -198,7 +203,8 @@ class KVTransfers:
             hit.num_front_tokens = num_external
             return False
         self._loads[req.request_id] = _Load(req, num_cached, num_external, hit,
-                                            self.partial_loads, load_from, end, load_from)
+                                            self.partial_loads, load_from, end, load_from,
+                                            first_tokens=first_tokens)
         self._new_loads.append(req)
         self._start_deadline(req.request_id)
         return True
@@ -216,6 +222,9 @@ class KVTransfers:
         if not load.is_partial or load.is_cancelled:
             return 0
         front = req.num_computed_tokens
+        if not load.is_planned:  # admitted this step: its plan is not out yet, and the
+            # admission's split holds (a drop now would unplan blocks the engine waits for)
+            return max(min(load.first_tokens, load.writes_from * self.ctx.block_size - front), 0)
         end = (load.num_cached + load.num_external) // self.ctx.block_size
         step = self._decide(lambda: self.planner.front_step(
             front, load.writes_from, load.landed_from, end, load.started, time.monotonic()))
@@ -242,6 +251,7 @@ class KVTransfers:
         """The transfers of a step that computes `chunks` (ScheduledChunk list)."""
         new, cached = [], []
         for req in self._new_loads:  # admitted for a load: in the output with 0 tokens
+            self._loads[req.request_id].is_planned = True
             new.append(self._request_data(req, (), req.num_computed_tokens, 0, req.block_ids)[0])
         self._new_loads = []
         for c in chunks:
@@ -494,7 +504,7 @@ class KVTransfers:
         return s
 
     def shutdown(self) -> None:
-        if self.partial_loads and self.calls.agreement.is_lead and self.failure is None:
+        if self.calls.partial_loads and self.calls.agreement.is_lead and self.failure is None:
             self.planner.save(self._rates_path)
         self.calls.shutdown()
 

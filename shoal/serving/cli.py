@@ -107,9 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
                     num_prompts=16, max_tokens=128, prompt_len=0, rounds=3)
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     t.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
-    model_bench("ttft", "TTFT of a long prefix from the pool vs recomputed (--dp 2: two "
-                "owners sharing the pool; --tp 3: every engine a TP fleet)",
-                prefix_tokens=2048, rounds=2, dp=1, tp=1)
+    tt = model_bench("ttft", "TTFT of a long prefix from the pool (loaded whole; computed "
+                     "from the front while the back loads) vs recomputed (--dp 2: two owners "
+                     "sharing the pool; --tp 3: every engine a TP fleet)",
+                     prefix_tokens=2048, rounds=2, dp=1, tp=1)
+    tt.add_argument("--pool-read-gbps", type=float, metavar="GBPS",
+                    help="cap the pool's file reads at this rate (the fs connector's "
+                    "max_read_gbps: a slow or shared store)")
+    tt.add_argument("--source", choices=["files", "tier"], default="files",
+                    help="where the hit comes from: files (page cache; default) or the host "
+                    "tier (the engine loaded the prompt once before)")
     model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
                 num_prompts=16, max_tokens=64)
     sb = bsub.add_parser("serve", help="shared-prefix workload against `shoal serve`: pool "

@@ -57,7 +57,12 @@ from shoal.connectors.fs.paged_io import PagedMover
 log = logging.getLogger(__name__)
 
 TOUCH_INTERVAL_SECONDS = 60.0
-CPU_BLOCKS_PER_UNIT = 4  # blocks a load unit reads straight into a CPU cache
+# A load unit: what one I/O thread reads before it takes the next. On a CPU without a
+# tier, a few blocks, so that the units all threads hold at once are a small part of a
+# load and a drop takes most of what the engine's front reaches. Through the tier, a page:
+# units of 1-4 blocks loaded an 8k-token Llama-1B hit at a third of the rate of pages on
+# an H200 (a copy, a check and a wait per unit); there the admission's split does the work.
+CPU_BLOCKS_PER_UNIT = 4
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,7 @@ class _RequestState:
     block_ids: list[int]
     num_checked: int = 0  # leading full blocks already considered for saving
     loading: range = range(0)  # blocks of its load (planned at admission)
+    dropped_to: int = 0  # blocks of it below this index the engine computes (in the pool)
     has_saves: bool = False
     saved_keys: list[bytes] = field(default_factory=list)  # saves scheduled for it
 
@@ -196,6 +202,7 @@ class FsPoolScheduler(KvConnectorScheduler):
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
         self._drops: dict[str, int] = {}  # rid -> drop bound for loads already planned
+        self._dropped_to: dict[str, int] = {}  # drops of requests not yet in a plan
         self._saving_keys: set[bytes] = set()  # saves scheduled by live requests
         self._stats = dict(pool_lookups=0, pool_hit_blocks=0, pool_miss_blocks=0)
 
@@ -228,6 +235,11 @@ class FsPoolScheduler(KvConnectorScheduler):
 
     def drop_loads(self, request: RequestView, num_blocks: int) -> None:
         rid = request.request_id
+        st = self._requests.get(rid)
+        if st is not None:
+            st.dropped_to = max(st.dropped_to, num_blocks)
+        else:  # admitted this step: its state is made by the next plan
+            self._dropped_to[rid] = max(self._dropped_to.get(rid, 0), num_blocks)
         planned = len(self._pending_loads)
         self._pending_loads = [t for t in self._pending_loads
                                if t.request_id != rid or t.block_index >= num_blocks]
@@ -243,7 +255,8 @@ class FsPoolScheduler(KvConnectorScheduler):
             self._requests[rd.request_id] = _RequestState(
                 list(rd.new_block_ids), has_saves=prev is not None and prev.has_saves,
                 saved_keys=[] if prev is None else prev.saved_keys,
-                loading=self._loading.pop(rd.request_id, range(0)))
+                loading=self._loading.pop(rd.request_id, range(0)),
+                dropped_to=self._dropped_to.pop(rd.request_id, 0))
         for rd in scheduler_output.cached_requests:
             self._requests[rd.request_id].block_ids.extend(rd.new_block_ids)
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
@@ -253,11 +266,12 @@ class FsPoolScheduler(KvConnectorScheduler):
                        len(rd.block_keys), len(st.block_ids))
             for i in range(st.num_checked, full):
                 key = rd.block_keys[i]
-                # a block of the load that is computed before this step's chunk came from
-                # the pool: no need to look for its file again (a block the load failed
-                # is first checked in the step that recomputes it: looked up, saved)
-                loaded = i in st.loading and i < computed
-                if loaded or key in self._saving_keys or self._in_pool(key):
+                # a block of the hit that was loaded before this step's chunk, or that the
+                # engine computes instead of loading it, is in the pool: no need to look
+                # for its file again (a block the load failed is first checked in the step
+                # that recomputes it: looked up, saved)
+                in_pool = i in st.loading and (i < computed or i < st.dropped_to)
+                if in_pool or key in self._saving_keys or self._in_pool(key):
                     continue
                 self._saving_keys.add(key)
                 st.saved_keys.append(key)
@@ -279,6 +293,7 @@ class FsPoolScheduler(KvConnectorScheduler):
     def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         self._matched.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
+        self._dropped_to.pop(request.request_id, None)
         st = self._requests.pop(request.request_id, None)
         if st is None:
             return False
@@ -389,7 +404,7 @@ class FsPoolWorker(KvConnectorWorker):
         """One request's loads (last block first) as units, in the order they are read: the
         blocks the host tier holds are one unit, first (its copies alone run at the H2D
         limit: many threads copying at once were half as fast, measured on an H200); the
-        files follow, a page of blocks (or on a CPU without a tier, a few blocks) a unit."""
+        files follow, a page of blocks a unit (on a CPU without a tier, a few blocks)."""
         if self._mover is None:
             tier, files, per_unit = [], transfers, CPU_BLOCKS_PER_UNIT
         else:

@@ -9,9 +9,9 @@ stream, each run of consecutive slots goes to a device staging buffer in one
 host-to-device copy, the rows read from files are verified there (gpu_xxh3.py: the
 header's XXH3-64, computed by the GPU; where Triton is absent, the CPU verifies each file
 as it reads it, off the GIL), and one `index_copy_` places the rows into their KV blocks;
-an event marks the end. A row that fails the GPU's check is placed all the same and
-reported (`corrupt`): a failed load is recomputed before its KV is read, as on every
-path; only verified rows become tier entries.
+an event marks the end. A row that fails the GPU's check is not placed (its block keeps
+its bytes: the row is staged over by them first) and is reported (`corrupt`): a failed
+load is recomputed, as on every path; only verified rows become tier entries.
 The thread reads the next chunk while the copy runs, waits for an event before it lets
 go of the pages behind it, and returns only when every copy has ended: a finished task
 means the KV is in place (the engine's poll stays a `Future.done()`), and a cancelled
@@ -179,9 +179,15 @@ class PagedMover:
                                   + [gpu_xxh3.signed(c) for _, c in checks])
             verdicts = None
             if checks:
-                _, ok = gpu_xxh3.verify_rows(staging, ids[at:at + m], ids[sums:])
+                places = ids[at:at + m]
+                _, ok = gpu_xxh3.verify_rows(staging, places, ids[sums:])
                 verdicts = torch.empty(m, dtype=torch.int8, pin_memory=True)
                 verdicts.copy_(ok, non_blocking=True)
+                # a row that failed keeps its block's bytes: staged over by what is there
+                keep = torch.ones(n, dtype=torch.bool, device=self.device)
+                keep.index_copy_(0, places, ok.bool())
+                staging[:n] = torch.where(keep[:, None], staging[:n],
+                                          self.kv_rows.index_select(0, ids[:n]))
             self.kv_rows.index_copy_(0, ids[:n], staging[:n])
             event = torch.cuda.Event()
             event.record(stream)
