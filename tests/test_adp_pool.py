@@ -34,8 +34,10 @@ def test_adp_persistent_pool_round_trip(tiny_model, tmp_path, workload, overlap)
     with LLM(tiny_model, **KW) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, SP)]
     runs = []
+    # whole loads: every busy owner loads (a split depends on measured rates)
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path)}, compute_while_loading=False)
     for _ in ("producer", "consumer"):  # two fleets, one pool
-        with LLM(tiny_model, dp_size=2, kv_pool=str(tmp_path), overlap_scheduler=overlap,
+        with LLM(tiny_model, dp_size=2, kv_connector=cfg, overlap_scheduler=overlap,
                  **KW) as llm:
             outs = llm.generate(prompts, SP)
             llm.check_integrity()
@@ -97,7 +99,8 @@ def test_loading_owner_never_stalls_the_busy_owner(tiny_model, tmp_path, monkeyp
     os.mkfifo(gate)
     monkeypatch.setenv("SHOAL_TEST_LOAD_GATE", str(gate))
     cfg = ConnectorConfig(module="tests.gated_fs_connector", scheduler_class="FsPoolScheduler",
-                          worker_class="GatedFsWorker", options={"root": str(pool)})
+                          worker_class="GatedFsWorker", options={"root": str(pool)},
+                          compute_while_loading=False)
     with LLM(tiny_model, dp_size=2, kv_connector=cfg, **KW) as llm:
         fleet = llm.engine
         rid_a = fleet.add(NewRequest(a, SP))  # owner 0: a pool hit, its load waits at the gate

@@ -194,3 +194,27 @@ def test_whole_loads_when_asked(tiny_model, prompt, baseline, pool):
         out = llm.generate([prompt], SP)[0]
     assert out.token_ids == baseline and out.num_connector_tokens == 40
     assert out.pool_hit.decision == "load"
+
+
+@pytest.mark.parametrize("parallel", [dict(dp_size=2), dict(tp_size=2)])
+def test_under_adp_and_tp_every_hit_is_served_once(tiny_model, prompt, baseline, tmp_path,
+                                                   parallel):
+    """Rank processes decide from their own measured rates (the paced reads make the load
+    slow against the tiny model's compute, so fronts compute); under TP the lead decides
+    for every rank. Whatever the split: the no-pool tokens, every matched token computed
+    or loaded once."""
+    prompts = [prompt, prompt[:30] + [7, 8, 9]]
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SP)]
+    assert expected[0] == baseline
+    pool = tmp_path / "pool"  # saved by the same kind of fleet (TP pool keys name the shard)
+    with LLM(tiny_model, kv_pool=str(pool), **parallel, **KW) as llm:
+        llm.generate([prompt], SP)
+    with LLM(tiny_model, kv_connector=paced(pool), **parallel, **KW) as llm:
+        outs = llm.generate(prompts, SP)
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == expected
+    for out in outs:
+        hit = out.pool_hit
+        assert hit is not None and hit.num_matched_tokens in (40, 28)
+        assert hit.num_front_tokens + hit.num_loaded_tokens == hit.num_matched_tokens

@@ -34,6 +34,14 @@ def baseline(tiny_model, workload):
         return [o.token_ids for o in llm.generate(workload, SP)]
 
 
+def whole_loads(pool, **options) -> ConnectorConfig:
+    """The fs pool with every hit loaded whole: these tests count and order what is loaded
+    (how a hit is split between loading and computing depends on measured rates:
+    tests/test_compute_while_loading.py)."""
+    return ConnectorConfig(name="fs", options={"root": str(pool), **options},
+                           compute_while_loading=False)
+
+
 def produce(model, pool, prompts, **kw):
     with LLM(model, kv_pool=str(pool), **{**KW, **kw}) as llm:
         outs = llm.generate(prompts, SP)
@@ -48,9 +56,10 @@ def block_files(pool: Path) -> list[Path]:
 RUN_IN_PROCESS = """
 import json, sys
 from shoal import LLM, SamplingParams
-from shoal.kv.block_keys import extend_block_keys, request_seed
+from shoal.connectors import ConnectorConfig
 model, pool, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-with LLM(model, kv_pool=pool, block_size=4, num_kv_blocks=128) as llm:
+cfg = ConnectorConfig(name="fs", options={"root": pool}, compute_while_loading=False)
+with LLM(model, kv_connector=cfg, block_size=4, num_kv_blocks=128) as llm:
     outs = llm.generate(prompts, SamplingParams(max_tokens=10))
     llm.check_integrity()
     print(json.dumps({"tokens": [o.token_ids for o in outs],
@@ -88,7 +97,7 @@ def test_local_prefix_and_pool_together(tiny_model, tmp_path, overlap, load_mode
         expected = [o.token_ids for o in llm.generate([partial, full], SP)]
     pool = tmp_path / "pool"
     produce(tiny_model, pool, [full])
-    cfg = ConnectorConfig(name="fs", options={"root": str(pool), "load_mode": load_mode})
+    cfg = whole_loads(pool, load_mode=load_mode)
     with LLM(tiny_model, kv_connector=cfg, overlap_scheduler=overlap, **KW) as llm:
         first = llm.generate([partial], SP)[0]  # loads x from the pool, caches it locally
         second = llm.generate([full], SP)[0]  # x local, y from the pool, tail computed
@@ -133,7 +142,7 @@ def test_corrupt_file_is_a_miss_recomputed_and_quarantined(tiny_model, workload,
     bad_path = pf.block_path(pool, bad_key)
     assert bad_path.is_file()
     _corrupt(bad_path, kind, pool)
-    with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
         out = llm.generate(workload[:1], SP)[0]
         llm.check_integrity()
         s = llm.stats()
@@ -158,7 +167,7 @@ def test_blocks_a_load_brought_are_looked_up_once(tiny_model, workload, baseline
         looked[path] = looked.get(path, 0) + 1
         return real(path)
     monkeypatch.setattr(pf, "is_block_file", counting)
-    with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
         out = llm.generate(workload[:1], SP)[0]
         llm.check_integrity()
         keys: list[bytes] = []
@@ -182,12 +191,13 @@ def test_missing_file_after_lookup_is_recomputed(tiny_model, workload, baseline,
             raise pf.BlockMissing(key.hex())
         return real(root, namespace, key, dest, shape, dtype, **kw)
 
-    cfg = ConnectorConfig(name="fs", options={"root": str(pool), "load_mode": "sync"})
+    cfg = whole_loads(pool, load_mode="sync")
     monkeypatch.setattr(pf, "read_block_into", vanish_third)
     with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
         out = llm.generate(workload[:1], SP)[0]
         s = llm.stats()
-    assert out.token_ids == baseline[0] and out.num_connector_tokens == 8
+    # blocks are read last first, in one sync pass: the third read is block 7's
+    assert out.token_ids == baseline[0] and out.num_connector_tokens == 28
     assert s["missing_blocks"] == 1 and s["load_failures_recomputed"] == 1
 
 
@@ -197,7 +207,8 @@ def test_load_failure_policy_fail_ends_only_that_request(tiny_model, workload, b
     for p in block_files(pool):
         _corrupt(p, "flipped_byte", pool)
     other = random_prompts(512, [9], seed=99)[0]
-    cfg = ConnectorConfig(name="fs", options={"root": str(pool)}, load_failure_policy="fail")
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool)}, load_failure_policy="fail",
+                          compute_while_loading=False)
     with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
         outs = llm.generate([workload[0], other], SP)
         llm.check_integrity()

@@ -61,8 +61,14 @@ def outside(warm_pool, tmp_path):
     return Path(shutil.copytree(warm_pool / "blocks", tmp_path / "outside"))
 
 
+def whole_loads(pool) -> "ConnectorConfig":
+    """The fs pool with every hit loaded whole (a split depends on measured rates)."""
+    from shoal.connectors import ConnectorConfig
+    return ConnectorConfig(name="fs", options={"root": str(pool)}, compute_while_loading=False)
+
+
 def run(model, pool, prompt, **kw):
-    with LLM(model, **{"kv_pool": str(pool), **KW, **kw}) as llm:
+    with LLM(model, **{"kv_connector": whole_loads(pool), **KW, **kw}) as llm:
         out = llm.generate([prompt], SP)[0]
         llm.check_integrity()
         return out, llm.stats()
@@ -167,7 +173,7 @@ def test_quarantine_replaced_by_a_link_while_running(tiny_model, prompt, expecte
     elsewhere.mkdir()
     before = snapshot(elsewhere)
     bad = first_block(pool)
-    with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
         (pool / "quarantine").rmdir()
         (pool / "quarantine").symlink_to(elsewhere)
         bad.write_bytes(bad.read_bytes()[:-1] + b"\0")

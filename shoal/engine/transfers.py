@@ -365,8 +365,10 @@ class KVTransfers:
         return load is not None
 
     def block_refs(self) -> list[int]:
-        """Every block reference held here (loading and saving requests, pins)."""
-        held = [*(load.request for load in self._loads.values()), *self._saving.values()]
+        """Every block reference held here: saving requests, pins, and loading requests out
+        of the running ones (cancelled: they end once their load drains)."""
+        held = [*(load.request for load in self._loads.values()
+                  if load.request.status != RequestStatus.RUNNING), *self._saving.values()]
         return [b for req in held for b in req.block_ids] + \
             [b for blocks in self._pins.values() for b in blocks]
 
@@ -511,9 +513,11 @@ class KVTransfers:
 
 def _rates_path(config: ConnectorConfig, ctx: ConnectorContext) -> Path:
     """Where the rates of engines of this model, device and connector are kept between
-    runs (one file each: another pool or model measures anew)."""
+    runs: one file per model, device and connector options except the pool's root (the
+    machine and the kind of store set the rates; a file per pool directory would leave one
+    behind for every temporary pool)."""
     from shoal.model.presets import cache_dir
     what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
                        config.scheduler_class, config.worker_class,
-                       sorted((k, repr(v)) for k, v in config.options.items())])
+                       sorted((k, repr(v)) for k, v in config.options.items() if k != "root")])
     return cache_dir() / "rates" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"

@@ -6,6 +6,7 @@ Exit codes: 0 ok; 1 a runtime failure; 2 bad arguments or configuration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -280,7 +281,8 @@ def _print_outputs(args, outs, stats) -> int:
                 "finish_reason": out.finish_reason, "error": out.error,
                 "ttft_s": out.metrics.ttft_s,
                 "num_local_prefix_tokens": out.num_local_prefix_tokens,
-                "num_connector_tokens": out.num_connector_tokens}))
+                "num_connector_tokens": out.num_connector_tokens,
+                "pool_hit": None if out.pool_hit is None else dataclasses.asdict(out.pool_hit)}))
         elif out.finish_reason == "error":
             print(f"[{i}] error: {out.error}", file=sys.stderr)
         else:
