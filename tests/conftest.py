@@ -62,6 +62,20 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int,
     return out[0, len(prompt_ids):].tolist()
 
 
+def count_lookups(monkeypatch) -> dict[str, int]:
+    """Count the fs pool's file lookups by block path (filled as the engine looks)."""
+    from shoal.connectors.fs import format as pf
+
+    looked: dict[str, int] = {}
+    real = pf.is_block_file
+
+    def counting(path: str) -> bool:
+        looked[path] = looked.get(path, 0) + 1
+        return real(path)
+    monkeypatch.setattr(pf, "is_block_file", counting)
+    return looked
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -14,7 +14,7 @@ from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
 from shoal.connectors.fs import format as pf
 from shoal.kv.block_keys import extend_block_keys, request_seed
-from tests.conftest import random_prompts
+from tests.conftest import count_lookups, random_prompts
 
 SP = SamplingParams(max_tokens=8)
 KW = dict(block_size=4, num_kv_blocks=128)
@@ -61,14 +61,20 @@ def block_key(llm: LLM, prompt: list[int], i: int) -> bytes:
     return keys[i]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, pool, overlap):
-    with LLM(tiny_model, kv_connector=paced(pool), overlap_scheduler=overlap, **KW) as llm:
-        # C = 400 tokens/s, L = 200: they meet after 40 / 600 s, the front's share 24 tokens
+def split_run(model, cfg, prompt, **kw):
+    """One request on a fresh engine whose rates are pinned so that its hit is split
+    (C = 400 tokens/s, L = 200: they meet after 40 / 600 s, the front's share 24 tokens):
+    its output and the engine's stats, every block accounted for."""
+    with LLM(model, kv_connector=cfg, **KW, **kw) as llm:
         pin_rates(llm, prefill=400.0, load=200.0)
         out = llm.generate([prompt], SP)[0]
         llm.check_integrity()
-        s = llm.stats()
+        return out, llm.stats()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, pool, overlap):
+    out, s = split_run(tiny_model, paced(pool), prompt, overlap_scheduler=overlap)
     assert out.token_ids == baseline
     hit = out.pool_hit
     assert hit.decision == "split" and hit.num_matched_tokens == 40
@@ -82,13 +88,7 @@ def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, p
 
 def test_a_store_slower_than_computing_is_not_read(tiny_model, prompt, baseline, pool,
                                                    monkeypatch):
-    looked: dict[str, int] = {}
-    real = pf.is_block_file
-
-    def counting(path: str) -> bool:
-        looked[path] = looked.get(path, 0) + 1
-        return real(path)
-    monkeypatch.setattr(pf, "is_block_file", counting)
+    looked = count_lookups(monkeypatch)
     with LLM(tiny_model, kv_connector=paced(pool), **KW) as llm:
         pin_rates(llm, prefill=10_000.0, load=10.0)  # the load would not add a block
         out = llm.generate([prompt], SP)[0]
@@ -119,11 +119,7 @@ def test_a_corrupt_block_in_the_loaded_half_is_recomputed(tiny_model, prompt, ba
     data = bytearray(path.read_bytes())
     data[pf.HEADER_SIZE + 5] ^= 0x40
     path.write_bytes(bytes(data))
-    with LLM(tiny_model, kv_connector=paced(pool), **KW) as llm:
-        pin_rates(llm, prefill=400.0, load=200.0)
-        out = llm.generate([prompt], SP)[0]
-        llm.check_integrity()
-        s = llm.stats()
+    out, s = split_run(tiny_model, paced(pool), prompt)
     assert out.token_ids == baseline
     hit = out.pool_hit
     assert s["corrupt_blocks"] == 1 and s["load_failures_recomputed"] == 1
@@ -135,10 +131,7 @@ def test_a_load_failing_in_the_loaded_half_is_recomputed(tiny_model, prompt, bas
     with LLM(tiny_model, kv_pool=str(pool), **KW) as probe:
         gone = pf.block_path(pool, block_key(probe, prompt, 9))
     gone.unlink()  # after no lookup: the pool no longer has block 9, the hit is blocks 0-8
-    with LLM(tiny_model, kv_connector=paced(pool), **KW) as llm:
-        pin_rates(llm, prefill=400.0, load=200.0)
-        out = llm.generate([prompt], SP)[0]
-        llm.check_integrity()
+    out, _ = split_run(tiny_model, paced(pool), prompt)
     assert out.token_ids == baseline and out.pool_hit.num_matched_tokens == 36
 
 

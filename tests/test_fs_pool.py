@@ -16,7 +16,7 @@ from shoal import LLM, SamplingParams
 from shoal.kv.block_keys import extend_block_keys, request_seed
 from shoal.connectors import ConnectorConfig
 from shoal.connectors.fs import format as pf
-from tests.conftest import random_prompts
+from tests.conftest import count_lookups, random_prompts
 
 SP = SamplingParams(max_tokens=10)
 KW = dict(block_size=4, num_kv_blocks=128)
@@ -160,13 +160,7 @@ def test_blocks_a_load_brought_are_looked_up_once(tiny_model, workload, baseline
     look them up again (a lookup is a file system call: 512 of them for an 8k prompt)."""
     pool = tmp_path / "pool"
     produce(tiny_model, pool, workload[:1])
-    looked: dict[str, int] = {}
-    real = pf.is_block_file
-
-    def counting(path: str) -> bool:
-        looked[path] = looked.get(path, 0) + 1
-        return real(path)
-    monkeypatch.setattr(pf, "is_block_file", counting)
+    looked = count_lookups(monkeypatch)
     with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
         out = llm.generate(workload[:1], SP)[0]
         llm.check_integrity()
