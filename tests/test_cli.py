@@ -231,3 +231,18 @@ def test_bench_ttft_on_a_random_checkpoint():
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["prompt_tokens"] == 64 and result["tokens_loaded"] == 48
     assert result["bytes_loaded"] > 0 and result["ttft_pool_s"] > 0
+    assert result["source"] == "files" and result["split"]["decision"] in ("load", "split", "compute")
+    assert 0 < result["ttft_floor_s"] <= min(result["ttft_recomputed_s"], result["ttft_load_only_s"])
+
+
+def test_bench_ttft_from_the_tier_with_capped_reads():
+    """`--source tier --pool-read-gbps X`: the hit comes from the host tier (loaded once
+    before: the cap on file reads does not apply to it), all three ways timed."""
+    r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
+              "--rounds", "1", "--source", "tier", "--pool-read-gbps", "0.5")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["source"] == "tier" and result["pool_read_gbps"] == 0.5
+    assert result["tokens_loaded"] == 48 and "reads capped at 0.5 GB/s" in r.stdout
+    hit = result["split"]
+    assert hit["front_tokens"] + hit["loaded_tokens"] == 48
