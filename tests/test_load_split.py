@@ -89,10 +89,12 @@ def test_measurements_move_the_rates():
 def test_rates_are_kept_for_the_next_run(tmp_path):
     path = tmp_path / "rates" / "x.json"
     p = planner(prefill=123.0, load=456.0, latency=0.5)
+    p.prefill_overhead_s = 0.01
     p.save(path)
     q = planner()
     q.restore(path)
     assert (q.prefill_tps.value, q.load_tps.value, q.load_latency_s.value) == (123.0, 456.0, 0.5)
+    assert q.prefill_overhead_s == 0.01
     path.write_text(json.dumps({"prefill_tps": "fast", "load_tps": True}))  # garbage: ignored
     r = planner()
     r.restore(path)

@@ -453,7 +453,11 @@ def test_metrics_names(server):
                  "shoal:pool_corrupt_blocks_total", "shoal:deadline_expiries_total",
                  "shoal:kv_cache_usage_perc", "shoal:time_to_first_token_seconds_bucket",
                  "shoal:inter_token_latency_seconds_bucket",
-                 "shoal:e2e_request_latency_seconds_bucket"):
+                 "shoal:e2e_request_latency_seconds_bucket",
+                 "shoal:pool_hits_loaded_total", "shoal:pool_hits_split_total",
+                 "shoal:pool_hits_computed_total", "shoal:pool_front_tokens_computed_total",
+                 "shoal:prefill_tokens_per_second", "shoal:pool_load_tokens_per_second",
+                 "shoal:pool_load_latency_seconds"):
         assert name in text, name
     assert 'owner="0"' in text
 

@@ -311,10 +311,10 @@ class Engine:
         s["forward_seconds"] = self.forward_seconds
         s["kv_blocks_used"] = sum(b.ref_count > 0 for b in self.kv_manager.pool.blocks)
         s["num_kv_blocks"] = self.kv_manager.pool.num_blocks
-        # the server's gauges: computing now, and queued (new, preempted or loading KV)
+        # the server's gauges: running (a request whose KV loads computes its front
+        # meanwhile), and queued (new or preempted)
         s["num_requests_running"] = len(self.scheduler.running)
-        s["num_requests_waiting"] = (len(self.scheduler.waiting)
-                                     + (self.transfers.num_loading if self.transfers else 0))
+        s["num_requests_waiting"] = len(self.scheduler.waiting)
         s.update(self.peers.counters())
         if self.transfers is not None:
             s.update(self.transfers.stats())

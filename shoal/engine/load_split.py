@@ -158,6 +158,7 @@ class LoadPlanner:
                  "load_latency_s": self.load_latency_s.value}
         if all(v is None for v in rates.values()):
             return
+        rates["prefill_overhead_s"] = self.prefill_overhead_s
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -172,10 +173,15 @@ class LoadPlanner:
             rates = json.loads(path.read_text())
         except (OSError, ValueError):
             return
+        if not isinstance(rates, dict):
+            return
         for name in ("prefill_tps", "load_tps", "load_latency_s"):
-            value = rates.get(name) if isinstance(rates, dict) else None
+            value = rates.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 getattr(self, name).add(float(value))
+        overhead = rates.get("prefill_overhead_s")
+        if isinstance(overhead, (int, float)) and not isinstance(overhead, bool):
+            self.prefill_overhead_s = min(max(float(overhead), 0.0), 1.0)
 
     def stats(self) -> dict[str, float]:
         return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
