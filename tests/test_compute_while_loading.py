@@ -52,6 +52,7 @@ def pin_rates(llm: LLM, prefill: float, load: float, latency: float = 0.0) -> No
     """The planner decides from these rates and measures nothing."""
     p = llm.engine.transfers.planner
     p.prefill_tps.value, p.load_tps.value, p.load_latency_s.value = prefill, load, latency
+    p.prefill_overhead_s = 0.0
     p.observe_prefill = p.observe_load = lambda *a, **k: None
 
 
@@ -73,9 +74,23 @@ def split_run(model, cfg, prompt, **kw):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, pool, overlap):
+def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, pool, overlap,
+                                                 monkeypatch):
+    from shoal.connectors.fs.connector import FsPoolScheduler
+
+    outputs = []
+    real = FsPoolScheduler.build_connector_meta
+    monkeypatch.setattr(FsPoolScheduler, "build_connector_meta",
+                        lambda self, so: (outputs.append(so), real(self, so))[1])
     out, s = split_run(tiny_model, paced(pool), prompt, overlap_scheduler=overlap)
     assert out.token_ids == baseline
+    # the connector sees each request once a step: the admission step's front chunk reports
+    # it as new, from the position the chunk starts at
+    for so in outputs:
+        ids = [rd.request_id for rd in (*so.new_requests, *so.cached_requests)]
+        assert len(ids) == len(set(ids)), ids
+    first = next(rd for so in outputs for rd in so.new_requests)
+    assert first.computed_position == 0 and first.num_scheduled_tokens == 24  # the share
     hit = out.pool_hit
     assert hit.decision == "split" and hit.num_matched_tokens == 40
     assert hit.num_front_tokens >= 12 and hit.num_front_tokens % 4 == 0

@@ -113,3 +113,11 @@ def test_two_forwards_give_the_rate_and_the_fixed_cost():
     assert p.prefill_overhead_s == pytest.approx(0.0125 - 512 / 153_600)
     p.observe_prefill(4096, 0.0125 - 512 / 153_600 + 4096 / 153_600)  # the same line
     assert p.prefill_tps.value == pytest.approx(153_600)
+
+
+def test_a_noisy_bring_up_pair_changes_nothing():
+    p = planner(prefill=5000.0)
+    p.calibrate_prefill((32, 0.95), (128, 0.25))  # the small forward was the slow one
+    assert p.prefill_tps.value == 5000.0 and p.prefill_overhead_s == 0.0
+    p.calibrate_prefill((32, 0.10), (128, 0.11))  # the fixed cost is capped at half the large
+    assert p.prefill_overhead_s <= 0.055

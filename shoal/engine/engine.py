@@ -81,6 +81,7 @@ class _Executed:
     # on its way from the device: the executing thread does not wait for the forward)
     transfers: TransferReport | None  # the connector's poll at the end of the step
     logprobs: list | None = None  # per sampled token: its TokenLogprobs or None (not asked)
+    started: float = 0.0  # perf_counter when the executing thread took the step up
 
 
 class Engine:
@@ -106,8 +107,7 @@ class Engine:
         self.overlap = config.overlap_scheduler
         self._forward = (ThreadPoolExecutor(1, thread_name_prefix="shoal-forward")
                          if self.overlap else None)
-        # launched, not applied: (batch, its execution, when it was launched)
-        self._inflight: deque[tuple[ScheduledBatch, Future, float]] = deque()
+        self._inflight: deque[tuple[ScheduledBatch, Future]] = deque()  # launched, not applied
         self._forget_ids: list[str] = []  # runner state to drop once no step can need it
         self._ids = itertools.count()
         self._live: dict[str, Request] = {}  # request id -> request, until it is returned
@@ -212,11 +212,12 @@ class Engine:
         else:
             future = Future()
             future.set_result(self._execute(batch, token_counts, forget))
-        self._inflight.append((batch, future, time.perf_counter()))
+        self._inflight.append((batch, future))
 
     def _execute(self, batch: ScheduledBatch, token_counts: list[int],
                  forget_ids: list[str]) -> _Executed:
         """One step's work on the executing thread: transfer hooks around the forward."""
+        started = time.perf_counter()
         for request_id in forget_ids:
             self.runner.forget(request_id)
         transfers = self.transfers
@@ -231,20 +232,21 @@ class Engine:
             sampled = self.runner.execute(batch, token_counts, hooks)
             self.forward_seconds += time.perf_counter() - start
         report = transfers.end_step(batch.transfers) if transfers is not None else None
-        return _Executed(sampled, report, self.runner.take_logprobs())
+        return _Executed(sampled, report, self.runner.take_logprobs(), started)
 
     def _update(self, keep: int) -> list[Request]:
         """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
         requests that ended."""
         ended = []
         while len(self._inflight) > keep:
-            batch, future, launched = self._inflight.popleft()
+            batch, future = self._inflight.popleft()
             out = future.result()
             sampled = out.sampled.tolist()  # waits for the device
-            # the prefill rate a load split weighs (SPEC 3.1), from steps no load overlapped
+            # the prefill rate a load split weighs (SPEC 3.1), from steps no load overlapped:
+            # from when the executing thread took the step up to its samples on the host
             if self.transfers is not None and not batch.transfers.loading_ids:
                 self.transfers.planner.observe_prefill(
-                    _num_prefill_tokens(batch), time.perf_counter() - launched)
+                    _num_prefill_tokens(batch), time.perf_counter() - out.started)
             outcome = None
             if out.transfers is not None:
                 outcome = self.transfers.apply(batch.transfers, out.transfers)

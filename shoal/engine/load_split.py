@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 SMOOTHING = 0.5  # weight of a new measurement in a rate
 MIN_PREFILL_TOKENS = 32  # a step measures the prefill rate if it computes this many
+MAX_RATE_FILES = 64  # the newest kept: one per pool directory, and temporary pools come and go
 
 
 @dataclass
@@ -83,9 +84,12 @@ class LoadPlanner:
         their difference and a forward's fixed cost from the rest (a GPU's forward of 512
         tokens is mostly fixed cost: one of them alone understates the rate 4x)."""
         (n1, t1), (n2, t2) = small, large
-        rate = (n2 - n1) / (t2 - t1) if t2 > t1 and n2 > n1 else n2 / t2
-        self.prefill_overhead_s = max(t1 - n1 / rate, 0.0)
-        self.prefill_tps.add(rate)
+        if not (t2 > t1 > 0 and n2 > n1):  # a noisy pair says nothing: keep what is known
+            return
+        rate = (n2 - n1) / (t2 - t1)
+        # this machine, now: replaces what the last run left (not averaged with it)
+        self.prefill_overhead_s = min(max(t1 - n1 / rate, 0.0), t2 / 2)
+        self.prefill_tps.value = rate
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         busy = seconds - self.prefill_overhead_s
@@ -164,6 +168,7 @@ class LoadPlanner:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(rates))
             os.replace(tmp, path)
+            _prune(path.parent)
         except OSError as e:  # a cache that cannot be written costs a start-up, nothing more
             log.debug("rates not saved to %s: %s", path, e)
 
@@ -187,3 +192,10 @@ class LoadPlanner:
         return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
                 "load_tokens_per_s": self.load_tps.value or 0.0,
                 "load_latency_s": self.load_latency_s.value or 0.0}
+
+
+def _prune(folder: Path) -> None:
+    """Keep the MAX_RATE_FILES newest rate files of `folder`."""
+    files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in files[MAX_RATE_FILES:]:
+        old.unlink(missing_ok=True)

@@ -183,6 +183,7 @@ class KVTransfers:
         self.calls.ask("update_state_after_alloc",
                   lambda s: s.update_state_after_alloc(self._view(req), block_ids), None,
                   req.request_id)
+        req.pool_hit = None
         if not num_external:
             return False
         bs = self.ctx.block_size
@@ -250,9 +251,12 @@ class KVTransfers:
     def plan(self, chunks) -> TransferPlan:
         """The transfers of a step that computes `chunks` (ScheduledChunk list)."""
         new, cached = [], []
-        for req in self._new_loads:  # admitted for a load: in the output with 0 tokens
-            self._loads[req.request_id].is_planned = True
-            new.append(self._request_data(req, (), req.num_computed_tokens, 0, req.block_ids)[0])
+        computing = {c.request.request_id for c in chunks}
+        for req in self._new_loads:  # admitted for a load: in the output with 0 tokens,
+            self._loads[req.request_id].is_planned = True  # unless its front computes
+            if req.request_id not in computing:
+                new.append(self._request_data(req, (), req.num_computed_tokens, 0,
+                                              req.block_ids)[0])
         self._new_loads = []
         for c in chunks:
             rd, seen = self._request_data(c.request, c.token_ids, c.start, c.num_tokens,
@@ -439,6 +443,8 @@ class KVTransfers:
         self.planner.observe_load(end - start, now - load.started,
                                   None if load.first_landed is None
                                   else load.first_landed - load.started)
+        if bad is not None and bad * self.ctx.block_size < start:
+            bad = None  # a block the front computes anyway (under TP, dropped on one rank)
         if bad is None:
             num_ok = end
         elif self.config.load_failure_policy == "fail":
@@ -512,12 +518,10 @@ class KVTransfers:
 
 
 def _rates_path(config: ConnectorConfig, ctx: ConnectorContext) -> Path:
-    """Where the rates of engines of this model, device and connector are kept between
-    runs: one file per model, device and connector options except the pool's root (the
-    machine and the kind of store set the rates; a file per pool directory would leave one
-    behind for every temporary pool)."""
+    """Where the rates of engines of this model, device and connector (its options, the
+    pool's directory among them) are kept between runs (the newest 64 files are kept)."""
     from shoal.model.presets import cache_dir
     what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
                        config.scheduler_class, config.worker_class,
-                       sorted((k, repr(v)) for k, v in config.options.items() if k != "root")])
+                       sorted((k, repr(v)) for k, v in config.options.items())])
     return cache_dir() / "rates" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"
