@@ -527,10 +527,12 @@ def test_restart_on_the_same_pool_loads_cached_tokens(server, smollm2_path, pool
     try:
         after = again.post("/v1/completions", body).json()
         details = after["usage"]["prompt_tokens_details"]
-        assert details["pool_tokens"] >= after["usage"]["prompt_tokens"] - 32, details
+        m = again.metrics()
+        # the pool's tokens were loaded, or computed where the engine found that faster
+        front = m["shoal:pool_front_tokens_computed_total"]
+        assert details["pool_tokens"] + front >= after["usage"]["prompt_tokens"] - 32, details
         assert details["cached_tokens"] == details["pool_tokens"] + details["local_prefix_tokens"]
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
-        m = again.metrics()
         assert m["shoal:pool_bytes_loaded_total"] > 0 and m["shoal:pool_hit_blocks_total"] > 0
     finally:
         assert again.stop() == 0

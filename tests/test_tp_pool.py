@@ -36,7 +36,10 @@ def expected(model, prompts):
 
 
 def run_tp(model, pool: Path, prompts, overlap=True):
-    with LLM(model, tp_size=TP, kv_pool=str(pool), overlap_scheduler=overlap, **KW) as llm:
+    """A TP fleet on the pool, every hit loaded whole (these tests count what each shard
+    loads; a split depends on measured rates: tests/test_compute_while_loading.py)."""
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool)}, compute_while_loading=False)
+    with LLM(model, tp_size=TP, kv_connector=cfg, overlap_scheduler=overlap, **KW) as llm:
         outs = llm.generate(prompts, SP)
         llm.check_integrity()
         return [o.token_ids for o in outs], outs, llm.stats(), llm.engine.info.namespace
