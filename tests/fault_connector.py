@@ -20,7 +20,8 @@ import threading
 from concurrent.futures import Future
 from dataclasses import replace
 
-from shoal.connectors.fs.connector import _LoadQueue, FsPoolMeta, FsPoolScheduler, FsPoolWorker
+from shoal.connectors.fs.connector import FsPoolMeta, FsPoolScheduler, FsPoolWorker
+from shoal.connectors.store.load_queue import LoadQueue
 
 
 class InjectedFault(RuntimeError):
@@ -146,7 +147,7 @@ class FaultWorker(_Faulty, FsPoolWorker):
         table = self._loads if kind == "load" else self._saves
         table[t.request_id].remove(placeholder)
         if kind == "load":
-            table[t.request_id].append(self._io.submit(self._load_blocks, [t], _LoadQueue([[t]])))
+            table[t.request_id].append(self._io.submit(self._load_blocks, [t], LoadQueue([[t]])))
         else:  # the late copy out of the KV, started as a step's saves are
             meta = self.get_connector_meta()
             self.bind_connector_meta(FsPoolMeta(saves=[t]))

@@ -294,7 +294,7 @@ def test_io_threads_default_to_no_more_than_the_usable_cpus(tmp_path, monkeypatc
     from shoal.connectors.fs.connector import open_pool
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     root = str(tmp_path / "pool")
-    assert open_pool(ConnectorConfig(name="fs", options={"root": root})).io_threads == on_cpu
-    assert open_pool(ConnectorConfig(name="fs", options={"root": root}), "cuda").io_threads == on_gpu
+    assert open_pool(ConnectorConfig(name="fs", options={"root": root})).shared.io_threads == on_cpu
+    assert open_pool(ConnectorConfig(name="fs", options={"root": root}), "cuda").shared.io_threads == on_gpu
     given = ConnectorConfig(name="fs", options={"root": root, "io_threads": 6})
-    assert open_pool(given).io_threads == 6
+    assert open_pool(given).shared.io_threads == 6
