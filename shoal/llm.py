@@ -19,15 +19,20 @@ Prompt = str | Sequence[int]  # text, or token ids used as they are
 
 
 def pool_connector(kv_pool) -> ConnectorConfig:
-    """What `kv_pool=DIR` stands for: the built-in fs connector on that directory."""
+    """What `kv_pool=` stands for: a redis:// or rediss:// URL (or a comma-separated list
+    of a Redis Cluster's nodes), the built-in redis connector on it; anything else, the
+    built-in fs connector on that directory."""
     if not isinstance(kv_pool, (str, os.PathLike)) or not str(kv_pool):
-        raise ValueError(f"kv_pool must be a directory path, got {kv_pool!r}")
+        raise ValueError(f"kv_pool must be a directory path or a redis:// URL, got {kv_pool!r}")
+    if isinstance(kv_pool, str) and kv_pool.startswith(("redis://", "rediss://")):
+        return ConnectorConfig(name="redis", options={"url": kv_pool})
     return ConnectorConfig(name="fs", options={"root": str(kv_pool)})
 
 
 class LLM:
     """An inference engine. Keyword arguments are those of `EngineConfig`; `kv_pool=DIR` is
-    shorthand for `kv_connector=ConnectorConfig(name="fs", options={"root": DIR})`."""
+    shorthand for `kv_connector=ConnectorConfig(name="fs", options={"root": DIR})`, and
+    `kv_pool="redis://..."` for `ConnectorConfig(name="redis", options={"url": ...})`."""
 
     def __init__(self, model: str = "smollm2", *, kv_pool: str | None = None, **config):
         if kv_pool is not None and config.get("kv_connector") is not None:

@@ -63,3 +63,5 @@ def resolve_connector(config: ConnectorConfig, attention_dp: bool = False
 
 
 register_connector("fs", "shoal.connectors.fs.connector", "FsPoolScheduler", "FsPoolWorker")
+register_connector("redis", "shoal.connectors.redis.connector", "RedisPoolScheduler",
+                   "RedisPoolWorker")

@@ -21,7 +21,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="preset name (smollm2), HF directory or .gguf file (default: smollm2)")
     p.add_argument("--dp", type=int, default=1, help="attention data-parallel ranks (default 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--kv-pool", metavar="DIR", help="directory of the persistent KV pool")
+    p.add_argument("--kv-pool", metavar="DIR|URL", help="the persistent KV pool: a directory, "
+                   "or redis://host:port/db (rediss:// for TLS; a comma-separated list for "
+                   "a Redis Cluster)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-batch-size", type=int, default=64, help="requests per step (default 64)")
     p.add_argument("--max-num-tokens", type=int, default=2048,
@@ -237,11 +239,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_pool(args: argparse.Namespace) -> None:
-    """A bad --kv-pool directory fails before the weights load."""
+    """A bad --kv-pool directory (or a Redis refusing the password) fails before the
+    weights load."""
     if args.kv_pool is not None:
-        from shoal.connectors.fs.connector import open_pool
         from shoal.llm import pool_connector
-        open_pool(pool_connector(args.kv_pool))
+        config = pool_connector(args.kv_pool)
+        if config.name == "redis":
+            from shoal.connectors.redis.connector import open_redis_pool
+            open_redis_pool(config)[0].close()
+        else:
+            from shoal.connectors.fs.connector import open_pool
+            open_pool(config)
 
 
 def _generate_under_torchrun(args, prompts: list[str], sampling) -> int:

@@ -1,0 +1,1 @@
+"""The Redis / Valkey / Redis Cluster pool connector."""

@@ -1,0 +1,219 @@
+"""Blocks as values in Redis, Valkey or a Redis Cluster: the redis pool's `BlockStore`.
+
+    <prefix>{<key hex>}                        one block: header + payload (block_format)
+    <prefix>quarantine:{<key hex>}:<reason>    a value that failed verification (expires)
+
+The key hex is the fs pool's file name: the same block has the same name in both. The
+braces are a cluster hash tag: a block and its quarantine name live in one slot, so a
+bad value is renamed aside in one command on any deployment.
+
+- Publish: one `SET name value NX [EX ttl]`: whole or not at all, never overwriting.
+- Lookup: `EXISTS` for every key of a request in one pipelined round trip.
+- Load: a unit's blocks with one pipelined round trip (`GET`, or `GETEX` with a TTL: a
+  block in use stays), then each value is checked (header, length, checksum) as it is
+  copied into its KV block. A value that fails is renamed aside and recomputed.
+- Capacity is the store's (`maxmemory` with `allkeys-lru`, or a TTL): a write the store
+  refuses (full, read-only replica) is a failed save, counted, never fatal.
+- A lost connection, a timeout or a store that is down: the operation is a miss (lookups
+  answer "not there", loads fail and are recomputed, saves are dropped), counted in
+  `store_errors`, and the store is left alone for a while (`_Backoff`: 50 ms doubling to
+  5 s) so that requests meanwhile do not each wait for a timeout; then the client
+  connects again. No request fails for it, and no call waits past `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+
+from shoal.connectors.redis.target import RedisTarget, make_client
+from shoal.connectors.store.base import BlockSpec, BlockStore, StoreError, UnitReader
+from shoal.connectors.store.block_format import (HEADER_SIZE, BlockMissing, CorruptBlock,
+                                                 check_header, checksum, encode_header,
+                                                 parse_header)
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_TTL_SECONDS = 7 * 24 * 3600  # kept a while to be looked at, then gone
+
+
+class _Backoff:
+    """After a failed round trip the store is taken as down for a delay that doubles with
+    each failure in a row (MIN_S to MAX_S); the first success ends it."""
+
+    MIN_S, MAX_S = 0.05, 5.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._delay = 0.0
+        self._until = 0.0
+
+    def is_down(self) -> bool:
+        return time.monotonic() < self._until
+
+    def failed(self) -> None:
+        with self._lock:
+            self._delay = min(max(2 * self._delay, self.MIN_S), self.MAX_S)
+            self._until = time.monotonic() + self._delay
+
+    def succeeded(self) -> None:
+        if self._delay:
+            with self._lock:
+                self._delay, self._until = 0.0, 0.0
+
+
+def store_errors():
+    """The client's exceptions that mean the store could not be used (not our bug)."""
+    import redis
+    return (redis.exceptions.RedisError, OSError)
+
+
+class RedisStore(BlockStore):
+    def __init__(self, target: RedisTarget, prefix: str, timeout_s: float,
+                 ttl_s: int | None, max_connections: int, tls_options: dict | None = None):
+        self.target, self.prefix, self.ttl_s = target, prefix, ttl_s
+        self.client = make_client(target, timeout_s, max_connections, tls_options)
+        self._errors = store_errors()
+        self._backoff = _Backoff()
+        self._lock = threading.Lock()
+        self._stats = dict(store_errors=0, store_refused_writes=0, store_set_aside=0)
+
+    def name(self, key: bytes) -> str:
+        return f"{self.prefix}{{{key.hex()}}}"
+
+    def quarantine_name(self, key: bytes, reason: str) -> str:
+        return f"{self.prefix}quarantine:{{{key.hex()}}}:{reason}"
+
+    def ping(self) -> None:
+        """Raises the client's error if the store cannot be used now (bring-up's check)."""
+        self.client.ping()
+
+    # -- BlockStore ---------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            found = self._pipelined("exists", [self.name(k) for k in keys])
+        except StoreError:
+            return [False] * len(keys)
+        return [bool(n) for n in found]
+
+    def read_unit(self, keys: Sequence[bytes], spec: BlockSpec) -> UnitReader:
+        return _ValueReader(self, keys, spec)
+
+    def write(self, key: bytes, payload: memoryview, spec: BlockSpec) -> bool:
+        header = encode_header(spec.namespace, key, spec.shape, spec.dtype, payload.nbytes,
+                               checksum(payload))
+        value = b"".join((header, payload))
+        written = self._call(lambda c: c.set(self.name(key), value, nx=True, ex=self.ttl_s),
+                             writing=True)
+        return bool(written)
+
+    def set_aside(self, key: bytes, error: CorruptBlock) -> None:
+        """Rename the bad value aside (it expires); if it cannot be, delete it. Never
+        raises: a value that stays is found bad again and recomputed again."""
+        import redis
+        name, aside = self.name(key), self.quarantine_name(key, error.reason)
+        try:
+            self._call(lambda c: c.rename(name, aside))
+            self._call(lambda c: c.expire(aside, QUARANTINE_TTL_SECONDS))
+        except StoreError as e:
+            if isinstance(e.__cause__, redis.exceptions.ResponseError):  # e.g. gone meanwhile
+                return
+            log.warning("pool value %s is corrupt (%s) and could not be set aside (%s)",
+                        name, error, e)
+            return
+        with self._lock:
+            self._stats["store_set_aside"] += 1
+        log.warning("pool value %s is corrupt (%s): set aside as %s, recomputing", name,
+                    error, aside)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._errors:
+            pass
+
+    # -- round trips --------------------------------------------------------------------
+
+    def get_values(self, names: list[str]) -> list[bytes | None]:
+        """One pipelined round trip: each name's value (None where there is none)."""
+        if self.ttl_s is None:
+            return self._pipelined("get", names)
+        return self._pipelined("getex", names, ex=self.ttl_s)
+
+    def _pipelined(self, command: str, names: list[str], **kw) -> list:
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for n in names:
+                getattr(pipe, command)(n, **kw)
+            return pipe.execute()
+        return self._call(run)
+
+    def _call(self, fn, writing: bool = False):
+        """fn(client), its failures as StoreError (counted; the backoff starts on one that
+        means the store cannot be reached); StoreError at once while backing off."""
+        import redis
+        if self._backoff.is_down():
+            raise StoreError(f"{self.target.display} is unavailable (backing off)")
+        try:
+            result = fn(self.client)
+        except (redis.exceptions.ResponseError, redis.exceptions.ReadOnlyError) as e:
+            # the store answered and refused (full: OOM; a read-only replica; a bad key)
+            if writing:
+                with self._lock:
+                    self._stats["store_refused_writes"] += 1
+            raise StoreError(f"{self.target.display} refused: {e}") from e
+        except self._errors as e:
+            self._backoff.failed()
+            with self._lock:
+                self._stats["store_errors"] += 1
+            raise StoreError(f"{self.target.display}: {type(e).__name__}: {e}") from e
+        self._backoff.succeeded()
+        return result
+
+
+class _ValueReader(UnitReader):
+    """A unit's values, fetched together at the first read."""
+
+    def __init__(self, store: RedisStore, keys: Sequence[bytes], spec: BlockSpec):
+        self.store, self.keys, self.spec = store, keys, spec
+        self._values: list[bytes | None] | None = None
+        self._error: StoreError | None = None
+
+    def read_into(self, i: int, dest: memoryview, verify: bool = True) -> int:
+        if self._values is None and self._error is None:
+            try:
+                self._values = self.store.get_values([self.store.name(k) for k in self.keys])
+            except StoreError as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        value, self._values[i] = self._values[i], None  # each read once: free it now
+        if value is None:
+            raise BlockMissing(self.store.name(self.keys[i]))
+        return decode_into(value, self.keys[i], self.spec, dest, verify)
+
+
+def decode_into(value: bytes, key: bytes, spec: BlockSpec, dest: memoryview,
+                verify: bool = True) -> int:
+    """Check a stored value (header fields, length, and unless `verify` is False the
+    payload's checksum) and copy its payload into `dest`; the header's checksum."""
+    if len(value) < HEADER_SIZE:
+        raise CorruptBlock("truncated", f"value of {len(value)} bytes")
+    header = parse_header(value[:HEADER_SIZE])
+    check_header(header, spec.namespace, key, spec.shape, spec.dtype, dest.nbytes)
+    if len(value) != HEADER_SIZE + dest.nbytes:
+        reason = "truncated" if len(value) < HEADER_SIZE + dest.nbytes else "length"
+        raise CorruptBlock(reason, f"value of {len(value)} bytes")
+    dest[:] = memoryview(value)[HEADER_SIZE:]
+    if verify and checksum(dest) != header.checksum:
+        raise CorruptBlock("checksum", "payload checksum mismatch")
+    return header.checksum

@@ -1,0 +1,106 @@
+"""Which Redis a pool names, and a client for it.
+
+    redis://[[user]:password@]host[:port][/db]        one server (Redis or Valkey)
+    rediss://...                                      the same over TLS
+    redis://host1:port1,redis://host2:port2,...       a Redis Cluster (its seed nodes;
+    (or host1:port1,host2:port2 after the first)      db 0, the only one a cluster has)
+
+The password comes from the URL, else from SHOAL_REDIS_PASSWORD. No URL with its
+password is ever logged or put into an error message (`RedisTarget.display`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+PASSWORD_ENV = "SHOAL_REDIS_PASSWORD"
+DEFAULT_PORT = 6379
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    nodes: tuple[tuple[str, int], ...]  # (host, port): one server, or a cluster's seeds
+    is_cluster: bool
+    db: int
+    use_tls: bool
+    username: str | None
+    password: str | None
+
+    @property
+    def display(self) -> str:
+        """The target for logs and errors: no password."""
+        scheme = "rediss" if self.use_tls else "redis"
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        return f"{scheme}://{hosts}/{self.db}" + (" (cluster)" if self.is_cluster else "")
+
+
+def is_redis_url(text: str) -> bool:
+    return isinstance(text, str) and text.startswith(("redis://", "rediss://"))
+
+
+def parse_target(url: str, cluster: bool = False) -> RedisTarget:
+    """ValueError naming what is wrong (never echoing a password)."""
+    if not is_redis_url(url):
+        raise ValueError("redis connector: url must start with redis:// or rediss://")
+    parts = [p.strip() for p in url.split(",")]
+    first = urlsplit(parts[0])
+    nodes, db = [], 0
+    for i, part in enumerate(parts):
+        if i and "://" not in part:
+            part = f"{first.scheme}://{part}"
+        u = urlsplit(part)
+        if u.scheme != first.scheme:
+            raise ValueError("redis connector: every URL of a cluster must use the same "
+                             f"scheme ({first.scheme}://)")
+        if not u.hostname:
+            raise ValueError(f"redis connector: URL {i + 1} names no host")
+        try:
+            port = u.port or DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"redis connector: URL {i + 1} has a bad port") from None
+        path = u.path.strip("/")
+        if path:
+            if not path.isdigit():
+                raise ValueError(f"redis connector: the database must be a number, got {path!r}")
+            db = int(path) if i == 0 else db
+        if u.query:
+            raise ValueError("redis connector: URL query options are not supported "
+                             "(give connector options instead)")
+        nodes.append((u.hostname, port))
+    is_cluster = cluster or len(nodes) > 1
+    if is_cluster and db != 0:
+        raise ValueError(f"redis connector: a Redis Cluster has only database 0, got {db}")
+    password = unquote(first.password) if first.password else os.environ.get(PASSWORD_ENV)
+    username = unquote(first.username) if first.username else None
+    return RedisTarget(tuple(nodes), is_cluster, db, first.scheme == "rediss", username,
+                       password or None)
+
+
+def make_client(target: RedisTarget, timeout_s: float, max_connections: int,
+                tls_options: dict | None = None):
+    """A thread-safe client (a pool of up to `max_connections` connections per server).
+    Commands are not retried by the client: a failure reaches the store, which turns it
+    into misses and backs off (store.py)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    common = dict(username=target.username, password=target.password,
+                  socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                  retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    if target.use_tls:
+        common.update(ssl=True, **(tls_options or {}))
+    if target.is_cluster:
+        from redis.cluster import ClusterNode, RedisCluster
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+                            max_connections=max_connections,
+                            cluster_error_retry_attempts=0, **common)
+    host, port = target.nodes[0]
+    pool_kw = dict(host=host, port=port, db=target.db, max_connections=max_connections,
+                   timeout=timeout_s, **{k: v for k, v in common.items() if k != "ssl"})
+    if target.use_tls:
+        pool_kw["connection_class"] = redis.SSLConnection
+        pool_kw.update(tls_options or {})
+    return redis.Redis(connection_pool=redis.BlockingConnectionPool(**pool_kw))
