@@ -104,3 +104,29 @@ def smollm2(smollm2_path):
     llm = LLM(smollm2_path, overlap_scheduler=False, num_kv_blocks=512)
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def redis_session_url(tmp_path_factory):
+    """A real Redis for the session: the one `.ci/run` started (SHOAL_TEST_REDIS_URL), or
+    one started here (tests/redis_server.py); skips where no server binary exists."""
+    from tests.redis_server import RedisServer, require_redis, shared_url
+    url = shared_url()
+    if url is not None:
+        pytest.importorskip("redis", reason="the redis package is not installed")
+        yield url
+        return
+    require_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_session_url) -> str:
+    """The session's Redis, its database emptied for this test."""
+    import redis
+    client = redis.Redis.from_url(redis_session_url)
+    client.flushdb()
+    client.close()
+    return redis_session_url

@@ -145,10 +145,12 @@ def test_pool_command_on_a_non_pool_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_with_kv_pool_reuses_across_runs(smollm2_path, tmp_path):
+@pytest.mark.parametrize("kind", ["dir", "redis"])
+def test_generate_with_kv_pool_reuses_across_runs(smollm2_path, tmp_path, kind, request):
     prompt = "Summarize: " + "The harbor gate opens at dawn and closes at dusk. " * 12
+    pool = str(tmp_path / "pool") if kind == "dir" else request.getfixturevalue("redis_url")
     args = ("generate", "--model", smollm2_path, "--prompt", prompt, "--max-tokens", "8",
-            "--json", "--num-kv-blocks", "64", "--kv-pool", str(tmp_path / "pool"))
+            "--json", "--num-kv-blocks", "64", "--kv-pool", pool)
     first, second = shoal(*args), shoal(*args)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     a, b = (json.loads(r.stdout.splitlines()[0]) for r in (first, second))

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kv-pool", metavar="DIR", help="pool directory to use and keep "
                    "(default: a temporary one, removed afterwards)")
 
-    pool = sub.add_parser("pool", help="inspect and maintain a filesystem KV pool")
+    pool = sub.add_parser("pool", help="inspect and maintain a KV pool (a directory or a "
+                          "redis:// URL)")
     psub = pool.add_subparsers(dest="pool_command", required=True)
     ps = psub.add_parser("stats", help="size, block count, quarantined and temp files")
     pv = psub.add_parser("verify", help="check every file's header and checksum; "
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--max-bytes", type=int, help="capacity to trim the pool to, least "
                     "recently used first (0 removes every block file)")
     for p in (ps, pv, pg):
-        p.add_argument("dir", help="the pool directory")
+        p.add_argument("dir", metavar="POOL", help="the pool: a directory, or redis://host:port/db "
+                       "(the names under the default prefix shoal:)")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
     b = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
@@ -306,9 +308,11 @@ def _pool(args: argparse.Namespace) -> int:
 
     from shoal.connectors.fs import admin as pool_admin
 
-    root = Path(args.dir)
     if getattr(args, "max_bytes", None) is not None and args.max_bytes < 0:
         raise ValueError(f"--max-bytes must be >= 0 (0 removes every block), got {args.max_bytes}")
+    if args.dir.startswith(("redis://", "rediss://")):
+        return _redis_pool(args)
+    root = Path(args.dir)
     pool_admin.check_pool(root)
     if args.pool_command == "stats":
         result = asdict(pool_admin.pool_stats(root))
@@ -327,6 +331,42 @@ def _pool(args: argparse.Namespace) -> int:
         text = (f"removed {temp} stale temp files, trimmed {trimmed} blocks; now "
                 f"{result['num_blocks']} blocks, {result['num_bytes'] / 2**20:.1f} MiB")
         code = 0
+    print(json.dumps(result) if args.json else text)
+    return code
+
+
+def _redis_pool(args: argparse.Namespace) -> int:
+    """`shoal pool stats|verify|gc redis://...`: the same reports as for a directory."""
+    from dataclasses import asdict
+
+    import redis
+
+    from shoal.connectors.redis import admin
+    from shoal.connectors.redis.connector import open_redis_pool
+    from shoal.llm import pool_connector
+
+    store, _ = open_redis_pool(pool_connector(args.dir))
+    try:
+        if args.pool_command == "stats":
+            result = asdict(admin.pool_stats(store))
+            text = (f"{result['num_blocks']} blocks, {result['num_bytes'] / 2**20:.1f} MiB, "
+                    f"{result['num_quarantined']} set aside, {result['num_skipped']} other names "
+                    "under the prefix")
+            code = 0
+        elif args.pool_command == "verify":
+            result, text = _verify_report(admin.verify_pool(store))
+            code = 1 if result["corrupt"] or result["skipped"] else 0
+        else:
+            removed, trimmed = admin.gc_pool(store, args.max_bytes)
+            result = {"removed_quarantined": removed, "trimmed_blocks": trimmed,
+                      **asdict(admin.pool_stats(store))}
+            text = (f"removed {removed} set-aside values, trimmed {trimmed} blocks; now "
+                    f"{result['num_blocks']} blocks, {result['num_bytes'] / 2**20:.1f} MiB")
+            code = 0
+    except redis.exceptions.RedisError as e:
+        raise ValueError(f"{store.target.display}: {type(e).__name__}: {e}") from None
+    finally:
+        store.close()
     print(json.dumps(result) if args.json else text)
     return code
 

@@ -74,7 +74,9 @@ class RedisStore(BlockStore):
     def __init__(self, target: RedisTarget, prefix: str, timeout_s: float,
                  ttl_s: int | None, max_connections: int, tls_options: dict | None = None):
         self.target, self.prefix, self.ttl_s = target, prefix, ttl_s
-        self.client = make_client(target, timeout_s, max_connections, tls_options)
+        self._connect = lambda: make_client(target, timeout_s, max_connections, tls_options)
+        self._client = None  # made at the first use (a cluster's needs a node that answers)
+        self._connect_lock = threading.Lock()
         self._errors = store_errors()
         self._backoff = _Backoff()
         self._lock = threading.Lock()
@@ -85,6 +87,15 @@ class RedisStore(BlockStore):
 
     def quarantine_name(self, key: bytes, reason: str) -> str:
         return f"{self.prefix}quarantine:{{{key.hex()}}}:{reason}"
+
+    @property
+    def client(self):
+        """The client, made now if it is not yet; the client's error if it cannot be."""
+        if self._client is None:
+            with self._connect_lock:  # one connects; the other threads wait for it
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
 
     def ping(self) -> None:
         """Raises the client's error if the store cannot be used now (bring-up's check)."""
@@ -136,10 +147,11 @@ class RedisStore(BlockStore):
             return dict(self._stats)
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except self._errors:
-            pass
+        if self._client is not None:
+            try:
+                self._client.close()
+            except self._errors:
+                pass
 
     # -- round trips --------------------------------------------------------------------
 
@@ -164,7 +176,7 @@ class RedisStore(BlockStore):
         if self._backoff.is_down():
             raise StoreError(f"{self.target.display} is unavailable (backing off)")
         try:
-            result = fn(self.client)
+            result = fn(self.client)  # (a client that cannot be made fails here too)
         except (redis.exceptions.ResponseError, redis.exceptions.ReadOnlyError) as e:
             # the store answered and refused (full: OOM; a read-only replica; a bad key)
             if writing:

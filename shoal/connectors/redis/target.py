@@ -64,7 +64,10 @@ def parse_target(url: str, cluster: bool = False) -> RedisTarget:
         if path:
             if not path.isdigit():
                 raise ValueError(f"redis connector: the database must be a number, got {path!r}")
-            db = int(path) if i == 0 else db
+            if i and int(path) != db:
+                raise ValueError("redis connector: the URLs of a cluster name different "
+                                 "databases")
+            db = int(path)
         if u.query:
             raise ValueError("redis connector: URL query options are not supported "
                              "(give connector options instead)")
@@ -82,7 +85,8 @@ def make_client(target: RedisTarget, timeout_s: float, max_connections: int,
                 tls_options: dict | None = None):
     """A thread-safe client (a pool of up to `max_connections` connections per server).
     Commands are not retried by the client: a failure reaches the store, which turns it
-    into misses and backs off (store.py)."""
+    into misses and backs off (store.py). A cluster's client asks a node for the slot map
+    here: the client's error if none answers."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -95,8 +99,7 @@ def make_client(target: RedisTarget, timeout_s: float, max_connections: int,
     if target.is_cluster:
         from redis.cluster import ClusterNode, RedisCluster
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
-                            max_connections=max_connections,
-                            cluster_error_retry_attempts=0, **common)
+                            max_connections=max_connections, **common)
     host, port = target.nodes[0]
     pool_kw = dict(host=host, port=port, db=target.db, max_connections=max_connections,
                    timeout=timeout_s, **{k: v for k, v in common.items() if k != "ssl"})
