@@ -15,11 +15,15 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.dp > 1:
             return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device)
         return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp,
-                        args.pool_read_gbps, args.source)
+                        args.pool_read_gbps, args.source, args.pool)
     if args.bench == "pool-io":
-        from shoal.bench.pool_io import run_pool_io
-        from shoal.connectors.fs.connector import default_io_threads
+        from shoal.connectors.store.base import default_io_threads
         threads = args.threads or default_io_threads(args.device.startswith("cuda"))
+        if args.pool is not None:
+            from shoal.bench.pool_io_redis import run_pool_io_redis
+            return run_pool_io_redis(args.pool, args.num_blocks, threads, args.rounds,
+                                     args.device)
+        from shoal.bench.pool_io import run_pool_io
         return run_pool_io(args.num_blocks, threads, args.rounds, args.device)
     if args.bench == "adp":
         from shoal.bench.adp import run_adp

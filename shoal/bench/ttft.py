@@ -4,9 +4,12 @@ measured side by side in one run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import tempfile
+from typing import Callable, Iterator
 
 import torch
 
@@ -28,13 +31,36 @@ def _prompt(llm: LLM, num_tokens: int) -> list[int]:
     return ids + llm.tokenizer.encode(" Question: what must the tenant do?")[:16]
 
 
+@contextlib.contextmanager
+def bench_pool(pool: str | None, **options) -> Iterator[Callable[..., ConnectorConfig]]:
+    """The pool a bench runs on, as a maker of connector configs (keyword arguments: the
+    config's fields): a temporary directory (pool None, removed afterwards), or a
+    redis:// URL, under a key prefix of its own (its names deleted afterwards)."""
+    if pool is None:
+        with tempfile.TemporaryDirectory(prefix="shoal-bench-") as root:
+            yield lambda **kw: ConnectorConfig(name="fs", options={"root": root, **options}, **kw)
+        return
+    from shoal.connectors.redis.connector import open_redis_pool
+    options = {"url": pool, "key_prefix": f"shoalbench{os.getpid()}:", **options}
+    try:
+        yield lambda **kw: ConnectorConfig(name="redis", options=options, **kw)
+    finally:
+        store, _ = open_redis_pool(ConnectorConfig(name="redis", options=options))
+        names = list(store.client.scan_iter(match=f"{options['key_prefix']}*", count=1000))
+        for i in range(0, len(names), 256):
+            store.client.delete(*names[i:i + 256])
+        store.close()
+
+
 def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int = 1,
-             pool_read_gbps: float | None = None, source: str = "files") -> int:
+             pool_read_gbps: float | None = None, source: str = "files",
+             pool: str | None = None) -> int:
     """TTFT of one prompt whose prefix the pool holds, each way in a fresh engine per round:
     recomputed (no pool), loaded whole before computing on (`compute_while_loading=False`),
     and computed from the front while the back loads (the default); and the floor
     n / (C + L), with C and L the rates the first two imply. `pool_read_gbps` caps the
-    pool's file reads (a slow or shared store). `source="tier"`: the hit comes from the
+    pool's reads (a slow or shared store). `pool`: a redis:// URL to run on (default: a
+    temporary directory). `source="tier"`: the hit comes from the
     host tier (the engine loads the prompt once from files first; prefix caching is off
     so the second request goes to the pool again). tp > 1: every engine is a TP fleet. On a
     GPU the prompt is prefilled in one chunk and decode graphs are not captured."""
@@ -45,17 +71,16 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     if source == "tier":
         kw.update(enable_prefix_caching=False)
     options = {} if pool_read_gbps is None else {"max_read_gbps": pool_read_gbps}
-    with tempfile.TemporaryDirectory(prefix="shoal-bench-ttft-") as pool:
-        def pool_engine(**connector) -> LLM:
-            cfg = ConnectorConfig(name="fs", options={"root": pool, **options}, **connector)
-            return LLM(model, kv_connector=cfg, **kw)
+    with bench_pool(pool, **options) as connector:
+        def pool_engine(**connector_fields) -> LLM:
+            return LLM(model, kv_connector=connector(**connector_fields), **kw)
 
         def pool_ttft(llm: LLM) -> RequestOutput:
             if source == "tier":  # the first load brings it into the tier
                 llm.generate([prompt], ONE)
             return llm.generate([prompt], ONE)[0]
 
-        with LLM(model, kv_pool=pool, **kw) as llm:  # computes and saves
+        with pool_engine() as llm:  # computes and saves
             prompt = _prompt(llm, prefix_tokens)
             # not a baseline: the process's first forward also pays one-time start-up
             # (library initialisation, first-touch of memory)
@@ -80,6 +105,7 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     result = {
         "bench": "ttft", "model": model, "device": device, "tp": tp, "prompt_tokens": len(prompt),
         "rounds": rounds, "source": source, "pool_read_gbps": pool_read_gbps,
+        "pool": "files" if pool is None else "redis",
         "tokens_loaded": tokens_loaded, "bytes_loaded": bytes_loaded,
         "ttft_recomputed_s": med["recomputed"], "ttft_load_only_s": med["load_only"],
         "ttft_pool_s": med["compute_and_load"], "ttft_floor_s": floor,
@@ -95,7 +121,7 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
         **{f"all_{k}_s": [round(x, 4) for x in v] for k, v in runs.items()},
     }
     print(f"{len(prompt)}-token prompt, fresh engines{f' (tp={tp})' if tp > 1 else ''}, hits "
-          f"from {'the host tier' if source == 'tier' else 'files'}"
+          f"from {'the host tier' if source == 'tier' else 'files' if pool is None else 'redis'}"
           f"{f', reads capped at {pool_read_gbps:g} GB/s' if pool_read_gbps else ''}, "
           f"median of {rounds} rounds")
     print(f"  TTFT recomputed                 {med['recomputed']:8.3f} s")

@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--pool-read-gbps", type=float, metavar="GBPS",
                     help="cap the pool's file reads at this rate (the fs connector's "
                     "max_read_gbps: a slow or shared store)")
+    tt.add_argument("--pool", metavar="URL", help="run on this redis:// pool (under a key "
+                    "prefix of its own, deleted afterwards; default: a temporary directory)")
     tt.add_argument("--source", choices=["files", "tier"], default="files",
                     help="where the hit comes from: files (page cache; default) or the host "
                     "tier (the engine loaded the prompt once before)")
@@ -134,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                           ("chats", 2), ("turns", 3), ("max-tokens", 16), ("dp", 1),
                           ("num-kv-blocks", 1024)):
         sb.add_argument(f"--{flag}", type=int, default=default)
-    io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads")
+    io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads (or "
+                         "raw pipelined SET/GET with --pool redis://...)")
+    io.add_argument("--pool", metavar="URL", help="measure the redis connector on this "
+                    "redis:// store instead of the fs pool in a temporary directory")
     io.add_argument("--num-blocks", type=int, default=256)
     io.add_argument("--threads", type=int, help="I/O threads (default: the fs connector's, "
                     "4 on a CPU, 8 with --device cuda, at most the usable CPUs)")
