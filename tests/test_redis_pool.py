@@ -449,3 +449,48 @@ def test_rediss_with_a_ca_file(tiny_model, workload, baseline, tmp_path):
         assert tokens == baseline and outs[0].num_connector_tokens == 0
     finally:
         server.kill()
+
+
+def test_values_read_straight_into_memory(redis_url):
+    """direct_read: a value lands in the caller's buffers; nil, a value of another length
+    and an error reply each leave the pool's connections usable."""
+    import redis
+
+    from shoal.connectors.redis.direct_read import read_value_into
+    client = redis.Redis.from_url(redis_url)
+    value = bytes(range(256)) * 3000  # 768000 bytes: more than one socket read
+    client.set("v", value)
+    head, body = memoryview(bytearray(128)), memoryview(bytearray(len(value) - 128))
+    for _ in range(3):  # the same connection again and again
+        assert read_value_into(client, ("GET", "v"), [head, body]) == len(value)
+        assert bytes(head) + bytes(body) == value
+    assert read_value_into(client, ("GET", "absent"), [head, body]) is None
+    client.set("short", b"abc")
+    assert read_value_into(client, ("GET", "short"), [head, body]) == 3  # not read in
+    client.rpush("list", b"x")
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+        read_value_into(client, ("GET", "list"), [head, body])
+    body[:] = b"\0" * len(body)
+    assert read_value_into(client, ("GETEX", "v", "EX", 100), [head, body]) == len(value)
+    assert bytes(head) + bytes(body) == value and 0 < client.ttl("v") <= 100
+    assert client.get("short") == b"abc"  # the client's own commands still answer right
+
+
+def test_large_blocks_load_straight_into_the_kv_cache(tiny_model, redis_url):
+    """Blocks past half a pipeline (here 768 tokens of 768 bytes: 576 KiB) are read
+    off the socket into their KV blocks; bad ones are still set aside."""
+    import redis
+    kw = dict(block_size=768, num_kv_blocks=8)
+    prompts = random_prompts(512, [900, 800], seed=3)
+    with LLM(tiny_model, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SP)]
+    tokens, _, first = run(tiny_model, prompts, whole(redis_url), **kw)
+    assert tokens == expected and first["blocks_saved"] == 2
+    tokens, outs, second = run(tiny_model, prompts, whole(redis_url), **kw)
+    assert tokens == expected and [o.num_connector_tokens for o in outs] == [768, 768]
+    client = redis.Redis.from_url(redis_url)
+    for name in block_names(client):
+        client.set(name, _flip(client.get(name), b""))
+    tokens, outs, third = run(tiny_model, prompts, whole(redis_url), **kw)
+    assert tokens == expected and third["corrupt_blocks"] >= 1
+    assert all(n.decode().endswith(":checksum") for n in aside_names(client))

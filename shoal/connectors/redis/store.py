@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Sequence
 
+from shoal.connectors.redis.direct_read import read_value_into
 from shoal.connectors.redis.target import RedisTarget, ValueParts, make_client
 from shoal.connectors.store.base import BlockSpec, BlockStore, StoreError, UnitReader
 from shoal.connectors.store.block_format import (HEADER_SIZE, BlockMissing, CorruptBlock,
@@ -165,6 +166,13 @@ class RedisStore(BlockStore):
 
     # -- round trips --------------------------------------------------------------------
 
+    def read_value_into(self, key: bytes, head: memoryview, dest: memoryview) -> int | None:
+        """The value of `key` read straight into head (the header) and dest (the payload)
+        if it is their length (direct_read.py); its length, or None if there is none."""
+        args = ("GET", self.name(key)) if self.ttl_s is None else (
+            "GETEX", self.name(key), "EX", self.ttl_s)
+        return self._call(lambda c: read_value_into(c, args, [head, dest]))
+
     def get_values(self, names: list[str]) -> list[bytes | None]:
         """One round trip (pipelined if several): each name's value (None: there is none)."""
         kw = {} if self.ttl_s is None else {"ex": self.ttl_s}
@@ -205,17 +213,29 @@ class RedisStore(BlockStore):
 
 
 class _ValueReader(UnitReader):
-    """A unit's values, fetched a group (PIPELINE_BYTES) at a time, as reads reach them."""
+    """A unit's values: large ones (past half of PIPELINE_BYTES) read one at a time
+    straight into the KV cache (one server: direct_read.py; through the client for a
+    cluster), smaller ones fetched a group (PIPELINE_BYTES) at a time as reads reach them."""
 
     def __init__(self, store: RedisStore, keys: Sequence[bytes], spec: BlockSpec):
         self.store, self.keys, self.spec = store, keys, spec
         self._per_group = max(1, PIPELINE_BYTES // (HEADER_SIZE + spec.nbytes))
+        self._direct = self._per_group == 1 and not store.target.is_cluster
         self._values: dict[int, bytes | None] = {}  # fetched, not read yet
         self._error: StoreError | None = None  # a failed fetch: the unit's reads all fail
 
     def read_into(self, i: int, dest: memoryview, verify: bool = True) -> int:
         if self._error is not None:
             raise self._error
+        if self._direct:
+            head = memoryview(bytearray(HEADER_SIZE))
+            length = self.store.read_value_into(self.keys[i], head, dest)
+            if length is None:
+                raise BlockMissing(self.store.name(self.keys[i]))
+            if length != HEADER_SIZE + dest.nbytes:
+                reason = "truncated" if length < HEADER_SIZE + dest.nbytes else "length"
+                raise CorruptBlock(reason, f"value of {length} bytes")
+            return _check(head, self.keys[i], self.spec, dest, verify)
         if i not in self._values:
             first = i - i % self._per_group
             group = range(first, min(first + self._per_group, len(self.keys)))
@@ -235,14 +255,18 @@ def decode_into(value: bytes, key: bytes, spec: BlockSpec, dest: memoryview,
                 verify: bool = True) -> int:
     """Check a stored value (header fields, length, and unless `verify` is False the
     payload's checksum) and copy its payload into `dest`; the header's checksum."""
-    if len(value) < HEADER_SIZE:
-        raise CorruptBlock("truncated", f"value of {len(value)} bytes")
-    header = parse_header(value[:HEADER_SIZE])
-    check_header(header, spec.namespace, key, spec.shape, spec.dtype, dest.nbytes)
     if len(value) != HEADER_SIZE + dest.nbytes:
         reason = "truncated" if len(value) < HEADER_SIZE + dest.nbytes else "length"
         raise CorruptBlock(reason, f"value of {len(value)} bytes")
     dest[:] = memoryview(value)[HEADER_SIZE:]
+    return _check(value[:HEADER_SIZE], key, spec, dest, verify)
+
+
+def _check(head, key: bytes, spec: BlockSpec, dest: memoryview, verify: bool) -> int:
+    """CorruptBlock unless the header describes this block and (verify) the payload in
+    dest hashes to its checksum; the header's checksum."""
+    header = parse_header(bytes(head))
+    check_header(header, spec.namespace, key, spec.shape, spec.dtype, dest.nbytes)
     if verify and checksum(dest) != header.checksum:
         raise CorruptBlock("checksum", "payload checksum mismatch")
     return header.checksum

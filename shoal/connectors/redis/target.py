@@ -94,7 +94,8 @@ def make_client(target: RedisTarget, timeout_s: float, max_connections: int,
     connection_class = _connection_class(target.use_tls)
     common = dict(username=target.username, password=target.password,
                   socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                  retry=Retry(NoBackoff(), 0), connection_class=connection_class)
+                  retry=Retry(NoBackoff(), 0), connection_class=connection_class,
+                  protocol=2)  # RESP2: no push messages between a command and its reply
     if target.use_tls:
         common.update(tls_options or {})
     if target.is_cluster:
