@@ -1,4 +1,4 @@
-"""The GPU's check of pool blocks (shoal/connectors/fs/gpu_xxh3.py) is xxhash's XXH3-64.
+"""The GPU's check of pool blocks (shoal/connectors/store/gpu_xxh3.py) is xxhash's XXH3-64.
 On CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a
 GPU); compiled on a GPU."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from shoal.connectors.fs import gpu_xxh3
+from shoal.connectors.store import gpu_xxh3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -14,7 +14,7 @@ from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig, ConnectorContext, KVCacheRegistration
 from shoal.connectors.fs import format as pf
 from shoal.connectors.fs.connector import BlockTransfer, FsPoolMeta, FsPoolWorker
-from shoal.connectors.fs.host_tier import HostTier, tier_shape
+from shoal.connectors.store.host_tier import HostTier, tier_shape
 from shoal.kv.kv_cache import KVCacheLayout
 from tests.conftest import random_prompts
 
@@ -77,7 +77,7 @@ def test_tier_shape():
 def test_a_load_that_raises_lets_go_of_every_page(device, fail_at):
     """A read that raises (a bug, a broken buffer) in any chunk of a load, with tier hits
     and chunks in flight around it: the load raises, and every page is let go."""
-    from shoal.connectors.fs.paged_io import PagedMover
+    from shoal.connectors.store.paged_io import PagedMover
 
     tier = HostTier(block_nbytes=64, num_pages=8, blocks_per_page=2, pinned=device == "cuda")
     mover = PagedMover(torch.zeros((16, 8), dtype=torch.int64, device=device), tier)
@@ -121,7 +121,7 @@ def test_the_gpu_branch_places_checks_and_publishes_by_the_book(monkeypatch):
 
     import xxhash
 
-    from shoal.connectors.fs import paged_io
+    from shoal.connectors.store import paged_io
 
     if torch.cuda.is_available():
         pytest.skip("runs the real branch on a GPU (tests/test_cuda.py)")

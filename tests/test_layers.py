@@ -15,7 +15,13 @@ CONTRACT = ("shoal.connectors.base", "shoal.connectors.registry", "shoal.connect
 ALLOWED = {
     "shoal.kv": ("shoal.kv", "shoal.request", "shoal.sampling"),
     "shoal.model": ("shoal.model",),
-    "shoal.connectors.fs": ("shoal.connectors.base", "shoal.connectors.fs", "shoal.kv.block_keys"),
+    # the pool connectors: over the store layer, which imports only the contract
+    "shoal.connectors.store": ("shoal.connectors.base", "shoal.connectors.store",
+                               "shoal.kv.block_keys"),
+    "shoal.connectors.fs": ("shoal.connectors.base", "shoal.connectors.fs",
+                            "shoal.connectors.store", "shoal.kv.block_keys"),
+    "shoal.connectors.redis": ("shoal.connectors.base", "shoal.connectors.redis",
+                               "shoal.connectors.store", "shoal.connectors.fs.admin"),
     "shoal.connectors": CONTRACT,
     "shoal.engine": ("shoal.engine", "shoal.kv", "shoal.model", *CONTRACT, *RECORDS),
     "shoal.parallel": ("shoal.parallel", "shoal.engine", "shoal.kv", "shoal.model", *CONTRACT,

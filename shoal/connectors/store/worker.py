@@ -2,8 +2,8 @@
 KV cache, off the engine thread.
 
 With a GPU cache (or a host tier) blocks move through pinned host pages, a page at a
-time, with copies on side streams (fs/paged_io.py); on a GPU the blocks read are
-verified there, after the copy (fs/gpu_xxh3.py), where Triton is present. On a CPU
+time, with copies on side streams (store/paged_io.py); on a GPU the blocks read are
+verified there, after the copy (store/gpu_xxh3.py), where Triton is present. On a CPU
 without a tier they are read straight into, and written straight from, the KV cache's
 memory.
 
@@ -28,8 +28,8 @@ import torch
 
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    KvConnectorWorker, LoadProgress)
-from shoal.connectors.fs.host_tier import HostTier, tier_shape
-from shoal.connectors.fs.paged_io import PagedMover
+from shoal.connectors.store.host_tier import HostTier, tier_shape
+from shoal.connectors.store.paged_io import PagedMover
 from shoal.connectors.store.base import BlockSpec, BlockStore, PoolOptions, UnitReader
 from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
 from shoal.connectors.store.load_queue import LoadQueue, Throttle

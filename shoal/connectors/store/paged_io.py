@@ -37,8 +37,8 @@ from typing import Callable
 
 import torch
 
-from shoal.connectors.fs import gpu_xxh3
-from shoal.connectors.fs.host_tier import HostTier
+from shoal.connectors.store import gpu_xxh3
+from shoal.connectors.store.host_tier import HostTier
 
 IN_FLIGHT_CHUNKS = 2  # a load task's chunks whose copies may run while it reads the next
 
