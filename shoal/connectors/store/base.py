@@ -87,6 +87,10 @@ class BlockStore(abc.ABC):
         """The block under `key` failed verification: make sure no reader finds it again
         (moved aside, deleted, or at least never read again by this process)."""
 
+    def warm_up(self, num_threads: int) -> None:
+        """Bring-up: get ready for this many I/O threads at once (e.g. open connections),
+        so that the first load does not pay for it. Never raises."""
+
     def stats(self) -> dict[str, float]:
         """Counters of the store's own (e.g. connection errors); summed into LLM.stats()."""
         return {}

@@ -87,6 +87,7 @@ class StoreWorker(KvConnectorWorker):
         self.spec = BlockSpec(self.namespace, tuple(kv_caches.layout.block_shape),
                               kv_caches.layout.dtype, nbytes)
         self.on_cpu = self.kv.device.type == "cpu"
+        self.store.warm_up(self._num_threads)
         # on a GPU every copy is staged in pages: enough for all threads at once
         num_pages, per_page = tier_shape(self._tier_bytes, nbytes,
                                          0 if self.on_cpu else 4 * (self._num_threads + 1))
