@@ -17,23 +17,12 @@ from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
 from shoal.connectors.store.block_format import HEADER_SIZE, encode_header, parse_header
 from tests.conftest import random_prompts
+from tests.test_fs_pool import baseline, workload  # noqa: F401 (fixtures: the same workload)
 from tests.redis_server import RedisServer, free_port, require_redis
 
 SP = SamplingParams(max_tokens=10)
-KW = dict(block_size=4, num_kv_blocks=128)
+KW = dict(block_size=4, num_kv_blocks=128)  # as in test_fs_pool, whose workload this is
 BLOCK = "shoal:{"
-
-
-@pytest.fixture(scope="module")
-def workload():
-    shared = random_prompts(512, [40], seed=7)[0]  # 10 full blocks of 4
-    return [shared + t for t in random_prompts(512, [3, 6, 1], seed=8)]
-
-
-@pytest.fixture(scope="module")
-def baseline(tiny_model, workload):
-    with LLM(tiny_model, **KW) as llm:
-        return [o.token_ids for o in llm.generate(workload, SP)]
 
 
 def whole(url: str, **options) -> ConnectorConfig:
