@@ -270,6 +270,26 @@ def test_ttl_is_set_at_save_and_refreshed_by_a_load(tiny_model, workload, baseli
     assert max(client.ttl(n) for n in names) > 500  # the loaded ones got their TTL back
 
 
+@pytest.mark.parametrize("options", [{"load_mode": "sync"},
+                                     {"io_threads": 1, "max_read_gbps": 1.0},
+                                     {"host_tier_bytes": 1 << 20}])
+def test_the_options_every_store_takes(tiny_model, workload, baseline, redis_url, options):
+    """The shared options work on the redis pool as on fs: sync loads, one I/O thread with
+    capped reads, and a host tier on a CPU (blocks move through its pages, and a second
+    load of the same blocks in one engine comes from the tier)."""
+    run(tiny_model, workload, whole(redis_url, **options))
+    with LLM(tiny_model, kv_connector=whole(redis_url, **options), enable_prefix_caching=False,
+             **KW) as llm:  # no local prefix cache: the second round loads again
+        for _ in range(2):
+            outs = llm.generate(workload, SP)
+            assert [o.token_ids for o in outs] == baseline
+            assert [o.num_connector_tokens for o in outs] == [40, 44, 40]
+        stats = llm.stats()
+    assert stats["corrupt_blocks"] == stats["missing_blocks"] == 0
+    if "host_tier_bytes" in options:
+        assert stats["host_tier_hit_blocks"] > 0
+
+
 def test_bad_redis_options_fail_at_bring_up_naming_the_option(tiny_model, redis_url):
     cases = {
         "url": {},
@@ -405,6 +425,10 @@ def test_redis_cluster_of_three_nodes(tiny_model, workload, baseline, tmp_path):
         assert tokens == baseline and second["corrupt_blocks"] == 1
         assert second["store_set_aside"] == 1
         tokens, outs, third = run(tiny_model, workload, whole(url))
+        assert tokens == baseline and [o.num_connector_tokens for o in outs] == [40, 44, 40]
+        # one seed node is enough with cluster=True: the client learns the others
+        seed = f"redis://127.0.0.1:{nodes[1].port}"
+        tokens, outs, _ = run(tiny_model, workload, whole(seed, cluster=True))
         assert tokens == baseline and [o.num_connector_tokens for o in outs] == [40, 44, 40]
     finally:
         for n in nodes:
