@@ -150,10 +150,6 @@ class KVTransfers:
         return bool(self._loads or self._saving or self._save_epochs)
 
     @property
-    def num_loading(self) -> int:
-        return len(self._loads)
-
-    @property
     def has_fronts(self) -> bool:
         """Some request's front is bounded by a load (pending, or landed and not reached)."""
         return bool(self._loads or self._landed)
