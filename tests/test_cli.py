@@ -248,3 +248,23 @@ def test_bench_ttft_from_the_tier_with_capped_reads():
     assert result["tokens_loaded"] == 48 and "reads capped at 0.5 GB/s" in r.stdout
     hit = result["split"]
     assert hit["front_tokens"] + hit["loaded_tokens"] == 48
+
+
+def test_bench_pool_io_and_ttft_on_a_redis_pool(redis_url):
+    """`--pool redis://...`: pool-io against the client's raw SET / GET of the same values,
+    ttft with the hit from Redis; each bench leaves no names of its own behind."""
+    import redis
+    client = redis.Redis.from_url(redis_url)
+    r = shoal("bench", "pool-io", "--pool", redis_url, "--num-blocks", "8", "--rounds", "1",
+              "--threads", "2")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["pool"] == "redis" and result["num_blocks"] == 8 and result["threads"] == 2
+    assert result["load_over_raw"] > 0 and result["save_over_raw"] > 0
+    r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
+              "--rounds", "1", "--pool", redis_url)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["pool"] == "redis" and result["tokens_loaded"] == 48
+    assert "hits from redis" in r.stdout
+    assert client.dbsize() == 0
