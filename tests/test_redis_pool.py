@@ -373,6 +373,8 @@ def test_adp_owners_share_one_redis(tiny_model, redis_url):
     assert p_stats["blocks_saved"] > 0 and c_stats["blocks_saved"] == 0
     assert all(o.num_connector_tokens >= 40 for o in outs)
     assert all(s["connector_tokens_loaded"] > 0 for s in c_stats["per_rank"])  # both owners
+    rates = [s["load_tokens_per_s"] for s in c_stats["per_rank"]]  # a rate is a mean, not a sum
+    assert all(rates) and c_stats["load_tokens_per_s"] == pytest.approx(sum(rates) / 2)
 
 
 def test_tp_shards_share_one_redis(tiny_models, redis_url):

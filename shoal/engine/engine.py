@@ -47,6 +47,8 @@ STAT_KEYS = (
     "host_tier_hit_blocks", "pool_hits_loaded", "pool_hits_split", "pool_hits_computed",
     "front_tokens_computed", "prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s",
 )
+# gauges of a rate, not counts: across ranks, the mean of those that measured one (0: none)
+RATE_STATS = ("prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s")
 
 
 class EngineLike(Protocol):
