@@ -66,12 +66,12 @@ def test_serve_on_an_address_it_cannot_take_is_one_line_and_exit_1():
 
 # every option `shoal serve --help` lists; each is exercised: the engine's below, the
 # server's in test_serve.py (--host, --port, --served-model-name, --shutdown-grace,
-# --access-log) and above (bad --port, --shutdown-grace, an address in use)
+# --access-log, --api-key) and above (bad --port, --shutdown-grace, an address in use)
 SERVE_OPTIONS = {
     "--model", "--dp", "--tp", "--kv-pool", "--block-size", "--max-batch-size",
     "--max-num-tokens", "--num-kv-blocks", "--kv-cache-gb", "--no-overlap", "--device",
     "--dtype", "--enforce-eager", "--host", "--port", "--served-model-name",
-    "--shutdown-grace", "--access-log"}
+    "--shutdown-grace", "--access-log", "--api-key"}
 
 
 def test_serve_help_lists_only_tested_options():

@@ -65,6 +65,7 @@ class Server:
         assert httpx.get(f"{self.url}/health", timeout=60).status_code == 200
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
                                     timeout=120)
+        self.headers: dict[str, str] = {}  # sent with `post` (e.g. the API key)
 
     def _read_output(self) -> None:
         for line in self.proc.stdout:
@@ -130,7 +131,7 @@ class Server:
     def post(self, path: str, body, timeout=120.0) -> httpx.Response:
         content = body if isinstance(body, (str, bytes)) else json.dumps(body)
         return httpx.post(f"{self.url}{path}", content=content, timeout=timeout,
-                          headers={"content-type": "application/json"})
+                          headers={"content-type": "application/json", **self.headers})
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value summed over labels."""
@@ -468,8 +469,21 @@ def test_metrics_names(server):
 def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2):
     s = Server(smollm2_path, "--host", "127.0.0.2", "--access-log", "--shutdown-grace", "1",
                "--no-overlap", "--max-batch-size", "4", "--max-num-tokens", "64",
-               "--num-kv-blocks", "320")
+               "--num-kv-blocks", "320", "--api-key", "k3y")
+    s.headers = {"Authorization": "Bearer k3y"}
     try:
+        # --api-key: /v1/* needs it (OpenAI's 401 body), /health and /metrics do not
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k3y"}):
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                           headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{s.url}/v1/models", timeout=30).status_code == 401
+        assert httpx.get(f"{s.url}/health", timeout=30).status_code == 200
+        assert httpx.get(f"{s.url}/metrics", timeout=30).status_code == 200
+        from openai import AuthenticationError, OpenAI
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"{s.url}/v1", api_key="wrong").models.list()
+        assert OpenAI(base_url=f"{s.url}/v1", api_key="k3y").models.list().data
         # --host: it listens there, not on 127.0.0.1
         assert s.url == f"http://127.0.0.2:{s.port}"
         with pytest.raises(httpx.ConnectError):
@@ -491,9 +505,9 @@ def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2)
         # --access-log: one line per request
         assert s.wait_for_line('"POST /v1/completions HTTP/1.1" 200', READY_TIMEOUT)
         # --shutdown-grace 1: a stream far from done is cut a second after SIGTERM
-        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120, json={
-                "prompt": "Count to ten thousand:", "max_tokens": 4000, "ignore_eos": True,
-                "temperature": 0, "stream": True}) as r:
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120, headers=s.headers,
+                          json={"prompt": "Count to ten thousand:", "max_tokens": 4000,
+                                "ignore_eos": True, "temperature": 0, "stream": True}) as r:
             lines = r.iter_lines()
             next(lines)
             s.terminate()

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import sys
 
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="on SIGTERM/SIGINT, how long running requests may take to finish "
                     "before they are cancelled (default 30)")
     sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    sv.add_argument("--api-key", metavar="KEY", default=os.environ.get("SHOAL_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                    "$SHOAL_API_KEY; /health and /metrics stay open)")
 
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     d.add_argument("--model", default="smollm2", help=argparse.SUPPRESS)
@@ -239,6 +243,7 @@ def _serve(args: argparse.Namespace) -> int:
         llm = LLM(args.model, **_engine_kwargs(args))
         try:
             serve(llm, sock, args.served_model_name or args.model, args.shutdown_grace,
+                  api_key=args.api_key or None,
                   access_log=args.access_log)
         finally:
             llm.shutdown()  # drains pending saves, stops every rank

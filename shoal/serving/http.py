@@ -7,6 +7,7 @@ The engine runs on the LLM's driver thread. A request is tokenized, checked and 
 on a worker thread (submit waits for the driver between two steps); its tokens come back
 to the event loop through the handle's callback (`generation.py`), so the loop never
 waits for the engine. Errors use OpenAI's body; bad input is a 400 naming the field.
+With `--api-key`, /v1/* needs `Authorization: Bearer <key>` (401 otherwise).
 Once the port accepts requests, one line on stderr says so (`READY_MESSAGE`, the URL, the
 served name). SIGTERM/SIGINT: stop accepting, let running requests finish within the grace
 (then cancel them), `llm.shutdown()`, exit 0.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -288,8 +290,26 @@ def _error_response(e: ApiError) -> JSONResponse:
 # -- the app and the process ---------------------------------------------------------------
 
 
-def build_app(server: OpenAIServer) -> FastAPI:
+def build_app(server: OpenAIServer, api_key: str | None = None) -> FastAPI:
+    """The app; with `api_key`, every /v1/* request must carry `Authorization: Bearer
+    <api_key>` (compared in constant time) or is answered 401 (as vLLM: /health,
+    /version and /metrics stay open)."""
     app = FastAPI(title="shoal", version=shoal.__version__, docs_url=None, redoc_url=None)
+
+    if api_key:
+        expected = api_key.encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                scheme, _, token = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(
+                        token.strip().encode("utf-8", "replace"), expected):
+                    return _error_response(ApiError(
+                        401, "Missing or incorrect API key: send 'Authorization: Bearer "
+                        "<key>' with the key the server was started with (--api-key)",
+                        code="invalid_api_key"))
+            return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -371,12 +391,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(llm: LLM, sock: socket.socket, served_model_name: str,
-          shutdown_grace_sec: float, access_log: bool = False) -> None:
+          shutdown_grace_sec: float, access_log: bool = False,
+          api_key: str | None = None) -> None:
     """Serve on `sock` (from `listen`) until SIGTERM/SIGINT; then stop accepting, give
     running requests `shutdown_grace_sec` to finish (cancel the rest) and return. The
-    caller shuts the LLM down."""
+    caller shuts the LLM down. `api_key`: required on /v1/* (build_app)."""
     server = OpenAIServer(llm, served_model_name)
-    config = uvicorn.Config(build_app(server), lifespan="off",
+    config = uvicorn.Config(build_app(server, api_key), lifespan="off",
                             log_level="info" if access_log else "warning",
                             access_log=access_log, timeout_graceful_shutdown=shutdown_grace_sec)
     try:
