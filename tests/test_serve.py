@@ -375,6 +375,28 @@ def test_bad_request_is_400_naming_the_field(server, path, body, param):
     assert err["message"]
 
 
+def test_a_huge_body_is_refused_unread_while_others_run(server):
+    """The default --max-body-bytes (8 MiB): a 20 MB body is answered 413 before it is
+    parsed or tokenized, declared (Content-Length) or chunked, and a small request sent
+    at the same time is served as usual."""
+    import concurrent.futures
+
+    huge = json.dumps({"prompt": "word " * 4_000_000, "max_tokens": 1})  # 20 MB
+    chunks = [huge[i:i + (1 << 20)].encode() for i in range(0, len(huge), 1 << 20)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        declared = pool.submit(server.post, "/v1/completions", huge)
+        chunked = pool.submit(lambda: httpx.post(
+            f"{server.url}/v1/completions", content=iter(chunks), timeout=120,
+            headers={"content-type": "application/json"}))
+        small = pool.submit(server.post, "/v1/completions",
+                            {"prompt": "The sea", "max_tokens": 2, "temperature": 0})
+        for refused in (declared.result(), chunked.result()):
+            assert refused.status_code == 413, refused.text
+            assert refused.json()["error"]["type"] == "invalid_request_error"
+        assert small.result().status_code == 200
+    assert server.post("/v1/completions", {"prompt": "a", "max_tokens": 1}).status_code == 200
+
+
 def test_other_errors(server):
     r = server.post("/v1/chat/completions", "{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -469,7 +491,7 @@ def test_metrics_names(server):
 def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2):
     s = Server(smollm2_path, "--host", "127.0.0.2", "--access-log", "--shutdown-grace", "1",
                "--no-overlap", "--max-batch-size", "4", "--max-num-tokens", "64",
-               "--num-kv-blocks", "320", "--api-key", "k3y")
+               "--num-kv-blocks", "320", "--api-key", "k3y", "--max-body-bytes", "4000")
     s.headers = {"Authorization": "Bearer k3y"}
     try:
         # --api-key: /v1/* needs it (OpenAI's 401 body), /health and /metrics do not
@@ -484,6 +506,10 @@ def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2)
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=f"{s.url}/v1", api_key="wrong").models.list()
         assert OpenAI(base_url=f"{s.url}/v1", api_key="k3y").models.list().data
+        # --max-body-bytes 4000: a 5000-byte body is refused unread, a 3000-byte one served
+        big = s.post("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1})
+        assert big.status_code == 413 and "--max-body-bytes" in big.json()["error"]["message"]
+        assert s.post("/v1/completions", {"prompt": "y" * 3000, "max_tokens": 1}).status_code == 200
         # --host: it listens there, not on 127.0.0.1
         assert s.url == f"http://127.0.0.2:{s.port}"
         with pytest.raises(httpx.ConnectError):

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="on SIGTERM/SIGINT, how long running requests may take to finish "
                     "before they are cancelled (default 30)")
     sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    sv.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N",
+                    help="refuse (413) a request body larger than this, before it is parsed "
+                    "(default 8 MiB)")
     sv.add_argument("--api-key", metavar="KEY", default=os.environ.get("SHOAL_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                     "$SHOAL_API_KEY; /health and /metrics stay open)")
@@ -237,13 +240,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     _check_pool(args)
     # an address in use fails before the weights load too
     with contextlib.closing(listen(args.host, args.port)) as sock:
         llm = LLM(args.model, **_engine_kwargs(args))
         try:
             serve(llm, sock, args.served_model_name or args.model, args.shutdown_grace,
-                  api_key=args.api_key or None,
+                  api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
                   access_log=args.access_log)
         finally:
             llm.shutdown()  # drains pending saves, stops every rank

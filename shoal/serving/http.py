@@ -7,7 +7,8 @@ The engine runs on the LLM's driver thread. A request is tokenized, checked and 
 on a worker thread (submit waits for the driver between two steps); its tokens come back
 to the event loop through the handle's callback (`generation.py`), so the loop never
 waits for the engine. Errors use OpenAI's body; bad input is a 400 naming the field.
-With `--api-key`, /v1/* needs `Authorization: Bearer <key>` (401 otherwise).
+With `--api-key`, /v1/* needs `Authorization: Bearer <key>` (401 otherwise); a body
+past `--max-body-bytes` is answered 413 before it is parsed.
 Once the port accepts requests, one line on stderr says so (`READY_MESSAGE`, the URL, the
 served name). SIGTERM/SIGINT: stop accepting, let running requests finish within the grace
 (then cancel them), `llm.shutdown()`, exit 0.
@@ -39,6 +40,7 @@ import uvicorn
 import shoal
 from shoal.llm import LLM
 from shoal.sampling import SamplingParams
+from shoal.serving.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shoal.serving.detokenizer import TextStream
 from shoal.serving.generation import Choice, EngineStopped, Generation, TokenInbox
 from shoal.serving.metrics import ServerMetrics
@@ -290,11 +292,14 @@ def _error_response(e: ApiError) -> JSONResponse:
 # -- the app and the process ---------------------------------------------------------------
 
 
-def build_app(server: OpenAIServer, api_key: str | None = None) -> FastAPI:
+def build_app(server: OpenAIServer, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app; with `api_key`, every /v1/* request must carry `Authorization: Bearer
     <api_key>` (compared in constant time) or is answered 401 (as vLLM: /health,
-    /version and /metrics stay open)."""
+    /version and /metrics stay open). A body past `max_body_bytes` is answered 413
+    before it is parsed (body_limit.py)."""
     app = FastAPI(title="shoal", version=shoal.__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     if api_key:
         expected = api_key.encode()
@@ -392,12 +397,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(llm: LLM, sock: socket.socket, served_model_name: str,
           shutdown_grace_sec: float, access_log: bool = False,
-          api_key: str | None = None) -> None:
+          api_key: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """Serve on `sock` (from `listen`) until SIGTERM/SIGINT; then stop accepting, give
     running requests `shutdown_grace_sec` to finish (cancel the rest) and return. The
-    caller shuts the LLM down. `api_key`: required on /v1/* (build_app)."""
+    caller shuts the LLM down. `api_key`, `max_body_bytes`: see build_app."""
     server = OpenAIServer(llm, served_model_name)
-    config = uvicorn.Config(build_app(server, api_key), lifespan="off",
+    config = uvicorn.Config(build_app(server, api_key, max_body_bytes), lifespan="off",
                             log_level="info" if access_log else "warning",
                             access_log=access_log, timeout_graceful_shutdown=shutdown_grace_sec)
     try:
