@@ -365,6 +365,13 @@ def test_cached_tokens_on_a_repeated_long_prompt(server):
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": list(range(1, 9000))}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    # a lone surrogate is valid JSON but not text: 400 naming where it is, never a 500
+    ("/v1/completions", {"prompt": "x", "model": "a\ud800"}, "model"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": "\udfff"}, "cache_salt"),
+    ("/v1/completions", {"prompt": ["ok", "x\ud800"]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["\ud800"]}, "stop"),
 ])
 def test_bad_request_is_400_naming_the_field(server, path, body, param):
     r = server.post(path, body)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictInt, field_validator
 
 from shoal.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -29,8 +29,22 @@ class ApiError(Exception):
             status, message, param, type_, code)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        # a message quoting the request's text stays encodable (a lone surrogate escaped)
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "param": self.param,
                           "code": self.code if self.code is not None else self.status}}
+
+
+def _has_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -39,6 +53,15 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text_is_unicode(cls, value):
+        """A string with a lone surrogate ("\\ud800": valid JSON, not text) is a 400
+        naming its field, never a failure further on (hashing a cache_salt, tokenizing)."""
+        if _has_lone_surrogate(value):
+            raise ValueError("must be valid Unicode text (it holds a lone surrogate)")
+        return value
 
 
 class StreamOptions(_Body):
@@ -203,7 +226,8 @@ def validation_error(errors: list[dict]) -> ApiError:
         return bad_request(f"the body is not valid JSON: {e.get('msg')}")
     if e.get("type") == "missing":
         return bad_request(f"{param} is required", param)
-    return bad_request(f"{param}: {e.get('msg')} (got {e.get('input')!r:.80})", param)
+    msg = str(e.get("msg", "")).removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg} (got {e.get('input')!r:.80})", param)
 
 
 @dataclass(frozen=True)
