@@ -372,6 +372,21 @@ def test_cached_tokens_on_a_repeated_long_prompt(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
      "messages.0.content"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": ["\ud800"]}, "stop"),
+    # asked for, not built: refused, never ignored (issue 27 builds them)
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 50}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": -0.1}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_p": 0.1}, "min_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"42": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "guided_regex": "a+"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
 ])
 def test_bad_request_is_400_naming_the_field(server, path, body, param):
     r = server.post(path, body)
@@ -380,6 +395,16 @@ def test_bad_request_is_400_naming_the_field(server, path, body, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert err["message"]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(server):
+    """What clients send by default (zero penalties, an empty logit_bias, text output,
+    tool_choice "none") changes nothing and is served."""
+    r = server.post("/v1/chat/completions", {
+        "messages": CHAT, "max_tokens": 2, "temperature": 0, "frequency_penalty": 0,
+        "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+        "tool_choice": "none", "min_p": 0, "repetition_penalty": 1, "user": "u1"})
+    assert r.status_code == 200, r.text
 
 
 def test_a_huge_body_is_refused_unread_while_others_run(server):

@@ -96,6 +96,24 @@ class _GenerationBody(_Body):
     min_tokens: int = 0
     stop_token_ids: list[StrictInt] | None = None
     cache_salt: str | None = None
+    # accepted by OpenAI or vLLM, not built here: a value that asks for them is a 400
+    # naming the field (never ignored); their neutral values pass (clients send those)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    guided_json: object = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -110,9 +128,47 @@ class _GenerationBody(_Body):
             raise bad_request("stop strings must not be empty", "stop")
         return stop
 
+    def _refuse_unsupported(self) -> None:
+        """400 naming the first field that asks for what this server does not do yet."""
+        for name, low, high in (("frequency_penalty", -2.0, 2.0),
+                                ("presence_penalty", -2.0, 2.0)):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise bad_request(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
+        if not self.repetition_penalty > 0:
+            raise bad_request(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                              "repetition_penalty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        rf = self.response_format
+        asked = {
+            "frequency_penalty": self.frequency_penalty != 0,
+            "presence_penalty": self.presence_penalty != 0,
+            "repetition_penalty": self.repetition_penalty != 1,
+            "min_p": self.min_p != 0,
+            "logit_bias": bool(self.logit_bias),
+            "response_format": rf is not None and rf.get("type", "text") != "text",
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none", "auto"),
+            "guided_json": self.guided_json is not None,
+            "guided_regex": self.guided_regex is not None,
+            "guided_choice": self.guided_choice is not None,
+            "guided_grammar": self.guided_grammar is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, is_asked in asked.items():
+            if is_asked:
+                raise bad_request(f"{name} is not supported by this server yet (the request "
+                                  "was not run; leave the field out)", name)
+
     def _sampling(self, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
         """The choices' sampling (choice i of a seeded request gets seed + i); 400 naming
-        the field that SamplingParams refuses. max_tokens None: set per prompt later."""
+        the field that SamplingParams refuses, or that asks for an unsupported feature.
+        max_tokens None: set per prompt later."""
+        self._refuse_unsupported()
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be an integer in [1, {MAX_N}], got {self.n}", "n")
         try:
@@ -166,6 +222,8 @@ class CompletionRequest(_GenerationBody):
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One or several prompts, each text or token ids."""
@@ -175,6 +233,11 @@ class CompletionRequest(_GenerationBody):
             raise bad_request("prompt must not be empty", "prompt")
         if self.echo:
             raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server yet", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of is not supported by this server yet (only best_of "
+                              "equal to n)", "best_of")
         return prompts
 
     def sampling(self) -> SamplingParams:
