@@ -289,24 +289,25 @@ def test_socket_named_like_a_block(pool, monkeypatch):
 
 # -- lying and misnamed files ------------------------------------------------------------
 
-def _lying_file(pool: Path, claimed: int, actual: int) -> Path:
-    """A block file with a valid header claiming `claimed` payload bytes, `actual` long
-    (sparse: no disk used)."""
+def _lying_file(pool: Path, claimed: int, actual: int, shape: tuple[int, ...] = (4,)) -> Path:
+    """A block file with a valid header claiming `claimed` payload bytes of `shape` in
+    float32, `actual` long (sparse: no disk used)."""
     key = bytes.fromhex("cd" * 32)
     path = pf.block_path(pool, key)
     path.parent.mkdir(exist_ok=True)
     with open(path, "wb") as f:
-        f.write(pf.encode_header(NS, key, (4,), torch.float32, claimed, 0))
+        f.write(pf.encode_header(NS, key, shape, torch.float32, claimed, 0))
         f.truncate(pf.HEADER_SIZE + actual)
     return path
 
 
-@pytest.mark.parametrize("claimed, actual, reason", [
-    (1 << 50, 4096, "truncated"),  # checked against the size before reading
-    ((1 << 30) - 7, (1 << 30) - 7, "checksum"),  # streamed: 1 GiB never in memory
-])
-def test_verify_memory_stays_bounded(pool, claimed, actual, reason):
-    path = _lying_file(pool, claimed, actual)
+@pytest.mark.parametrize("claimed, actual, shape, reason", [
+    (1 << 50, 4096, (4,), "length"),  # not what its shape makes: never read
+    (1 << 40, 1 << 40, (1 << 19, 1 << 19), "length"),  # a sparse 1 TiB file: more than any block
+    (1 << 30, 1 << 30, (1 << 28,), "checksum"),  # the largest block, streamed: 1 GiB never
+])                                               # in memory
+def test_verify_memory_stays_bounded(pool, claimed, actual, shape, reason):
+    path = _lying_file(pool, claimed, actual, shape)
     tracemalloc.start()
     try:
         report = admin.verify_pool(pool)
@@ -317,8 +318,8 @@ def test_verify_memory_stays_bounded(pool, claimed, actual, reason):
     assert report.num_ok == 10 and report.corrupt == [(path.name, reason)]
     assert not path.exists()  # quarantined
     dest = memoryview(bytearray(16))
-    _lying_file(pool, claimed, actual)
-    with pytest.raises(pf.CorruptBlock, match="length"):  # the engine's read: bounded too
+    _lying_file(pool, claimed, actual, shape)
+    with pytest.raises(pf.CorruptBlock, match="length|shape"):  # the engine's read: bounded too
         pf.read_block_into(pool, NS, bytes.fromhex("cd" * 32), dest, (4,), torch.float32)
 
 

@@ -94,12 +94,14 @@ def verify_pool(root: Path) -> VerifyReport:
 def verify_file(dir_fd: int, name: str) -> None:
     """Check one block file (a regular file, or NotRegularFile: never read) without reading
     more than format.VERIFY_CHUNK at a time; CorruptBlock if it fails. The header's payload
-    length is checked against the file size before any payload is read."""
+    length is checked against its shape and dtype, the largest a block can be, and the
+    file size before any payload is read."""
     fd, st = pf.open_regular_file(name, dir_fd)
     try:
         header = pf.parse_header(os.pread(fd, pf.HEADER_SIZE, 0))
         if header.key.hex() != name.removesuffix(".kv"):
             raise pf.CorruptBlock("key", "header key differs from the file name")
+        pf.check_payload_size(header)  # a header claiming a huge payload: never read
         expected = pf.HEADER_SIZE + header.payload_len
         if st.st_size != expected:
             raise pf.CorruptBlock("truncated" if st.st_size < expected else "length",

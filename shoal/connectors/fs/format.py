@@ -28,8 +28,9 @@ import torch
 import xxhash
 
 from shoal.connectors.store.block_format import (  # noqa: F401 (the pool's names)
-    DTYPE_CODES, FORMAT_VERSION, HEADER_SIZE, MAGIC, MAX_DIMS, BlockHeader, BlockMissing,
-    CorruptBlock, check_header, checksum, encode_header, parse_header)
+    DTYPE_CODES, FORMAT_VERSION, HEADER_SIZE, MAGIC, MAX_DIMS, MAX_PAYLOAD_BYTES, BlockHeader,
+    BlockMissing, CorruptBlock, check_header, check_payload_size, checksum, encode_header,
+    parse_header)
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700

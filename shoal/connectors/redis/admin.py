@@ -8,19 +8,16 @@ value larger than its header says a block is is ever read.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Iterator
 
-import torch
 
 from shoal.connectors.fs.admin import PoolSummary, VerifyReport
 from shoal.connectors.redis.store import RedisStore
-from shoal.connectors.store.block_format import (DTYPE_CODES, HEADER_SIZE, CorruptBlock,
-                                                 checksum, parse_header)
+from shoal.connectors.store.block_format import (HEADER_SIZE, CorruptBlock,
+                                                 check_payload_size, checksum, parse_header)
 
 BATCH = 64  # values per pipelined round trip
-_ITEMSIZE = {code: torch.empty((), dtype=dt).element_size() for dt, code in DTYPE_CODES.items()}
 
 
 def _names(store: RedisStore) -> Iterator[tuple[str, str]]:
@@ -107,10 +104,7 @@ def _check_head(name: str, head: bytes, size: int) -> None:
     header = parse_header(head)
     if header.key.hex() != name[name.index("{") + 1:name.index("}")]:
         raise CorruptBlock("key", "header key differs from the value's name")
-    itemsize = _ITEMSIZE.get(header.dtype_code)
-    if itemsize is None or header.payload_len != math.prod(header.shape) * itemsize:
-        raise CorruptBlock("length", f"payload of {header.payload_len} bytes for shape "
-                           f"{header.shape}, dtype code {header.dtype_code}")
+    check_payload_size(header)
     if size != HEADER_SIZE + header.payload_len:
         raise CorruptBlock("truncated" if size < HEADER_SIZE + header.payload_len else "length",
                            f"value of {size} bytes, header says {HEADER_SIZE + header.payload_len}")

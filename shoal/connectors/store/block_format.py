@@ -33,6 +33,10 @@ _FIELDS = struct.Struct(f"<8sHHBB2x{MAX_DIMS}IQQ32s32s")
 _CRC = struct.Struct("<I")
 assert _FIELDS.size + _CRC.size <= HEADER_SIZE
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_ITEMSIZE = {code: torch.empty((), dtype=dt).element_size() for dt, code in DTYPE_CODES.items()}
+# no block is larger: a 405B model's block of 16 tokens in bf16 is 8 MiB, of 256 tokens
+# 128 MiB; a header claiming more is damage (or a planted sparse file), never read
+MAX_PAYLOAD_BYTES = 1 << 30
 
 
 class BlockMissing(Exception):
@@ -119,6 +123,20 @@ def parse_header(buf: bytes) -> BlockHeader:
         raise CorruptBlock("header", f"ndim {ndim}")
     return BlockHeader(dtype_code, tuple(dims[:ndim]), payload_len, payload_checksum,
                        namespace, key)
+
+
+def check_payload_size(header: BlockHeader) -> None:
+    """CorruptBlock unless the header's payload length is what its shape and dtype make,
+    and no more than any block can be (the pool tools check this before reading)."""
+    itemsize = _ITEMSIZE.get(header.dtype_code)
+    if itemsize is None:
+        raise CorruptBlock("header", f"dtype code {header.dtype_code}")
+    expected = itemsize
+    for dim in header.shape:
+        expected *= dim
+    if header.payload_len != expected or header.payload_len > MAX_PAYLOAD_BYTES:
+        raise CorruptBlock("length", f"payload of {header.payload_len} bytes for shape "
+                           f"{header.shape} (at most {MAX_PAYLOAD_BYTES} for any block)")
 
 
 def check_header(header: BlockHeader, namespace: bytes, key: bytes, shape: tuple[int, ...],
