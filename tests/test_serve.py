@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import select
 import signal
@@ -498,6 +499,8 @@ def test_32_concurrent_streams_each_get_their_own_tokens(server, smollm2):
 
 
 def test_metrics_names(server):
+    assert server.post("/v1/completions", {"prompt": "a", "max_tokens": 2}).status_code == 200
+    _wait_idle(server)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("shoal:num_requests_running", "shoal:num_requests_waiting",
                  "shoal:request_success_total", "shoal:prompt_tokens_total",
@@ -515,6 +518,22 @@ def test_metrics_names(server):
                  "shoal:pool_load_latency_seconds"):
         assert name in text, name
     assert 'owner="0"' in text
+    # the metrics vLLM has, also under its names (dashboards built for vLLM read them)
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "request_success_total", "prompt_tokens_total", "generation_tokens_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "num_preemptions_total", "time_to_first_token_seconds_bucket",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_sum",
+                 "e2e_request_latency_seconds_bucket"):
+        ours = {k.replace("shoal:", ""): v for k, v in samples.items()
+                if k.startswith(f"shoal:{name}")}
+        theirs = {k.replace("vllm:", ""): v for k, v in samples.items()
+                  if k.startswith(f"vllm:{name}")}
+        assert ours and ours == theirs, name
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert re.search(r"# TYPE vllm:prompt_tokens(_total)? counter", text)
+    assert "vllm:pool_" not in text  # shoal's own metrics keep only their name
 
 
 # -- the server's own options -------------------------------------------------------------------

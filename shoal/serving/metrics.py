@@ -1,4 +1,6 @@
-"""`/metrics`: Prometheus text under `shoal:`, named like vLLM's `vllm:` metrics.
+"""`/metrics`: Prometheus text under `shoal:`, named like vLLM's `vllm:` metrics; the
+metrics vLLM has are also given under its own names (`VLLM_NAMES`), so that dashboards
+built for vLLM read them as they are.
 
 Two sources. The server observes each request (latency histograms, successes by finish
 reason) as it runs. The engine's counters and gauges come from `llm.stats()` at scrape
@@ -59,6 +61,38 @@ ENGINE_GAUGES = (
 )
 
 
+# the metrics vLLM exposes under these names (without the prefix): given under both
+VLLM_NAMES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "request_success_total", "prompt_tokens_total", "generation_tokens_total",
+    "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+    "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds"})
+_SAMPLE_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def with_vllm_names(text: bytes) -> bytes:
+    """The exposition plus a copy, under `vllm:`, of every family in VLLM_NAMES (its
+    HELP, TYPE and samples, histograms' buckets, sums and counts included)."""
+    extra = []
+    for line in text.decode().splitlines():
+        words = line.split(" ", 3)
+        if line.startswith("# "):  # "# HELP name ..." / "# TYPE name kind"
+            name = words[2] if len(words) > 2 else ""
+        else:  # "name{labels} value"
+            name = line.split("{")[0].split(" ")[0]
+        if not name.startswith("shoal:"):
+            continue
+        base = name[len("shoal:"):]
+        for suffix in _SAMPLE_SUFFIXES:
+            if base.endswith(suffix) and base[:-len(suffix)] in VLLM_NAMES:
+                base = base[:-len(suffix)]
+        family = base.removesuffix("_total") if base not in VLLM_NAMES else base
+        if base in VLLM_NAMES or family + "_total" in VLLM_NAMES:
+            extra.append(line.replace("shoal:", "vllm:", 1))
+    return text + ("\n".join(extra) + "\n").encode() if extra else text
+
+
 class ServerMetrics:
     """The registry behind /metrics."""
 
@@ -98,7 +132,7 @@ class ServerMetrics:
         """The text exposition with `stats` (an `llm.stats()`) as the engine's part."""
         self._stats = stats
         try:
-            return generate_latest(self.registry)
+            return with_vllm_names(generate_latest(self.registry))
         finally:
             self._stats = None
 
