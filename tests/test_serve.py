@@ -398,6 +398,33 @@ def test_bad_request_is_400_naming_the_field(server, path, body, param):
     assert err["message"]
 
 
+def test_tokenize_and_detokenize(server, smollm2):
+    """vLLM's /tokenize and /detokenize: the ids generation runs (the prompt_tokens of a
+    completion of the same prompt), back to the text; bad input is a 400 naming the field."""
+    text = "The harbor gate opens at dawn."
+    r = server.post("/tokenize", {"prompt": text}).json()
+    assert r["tokens"] == smollm2.tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] > 1000
+    usage = server.post("/v1/completions", {"prompt": text, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == r["count"]
+    chat = server.post("/tokenize", {"messages": CHAT}).json()
+    assert chat["tokens"] == smollm2.tokenizer.apply_chat_template(CHAT)
+    usage = server.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()
+    assert usage["usage"]["prompt_tokens"] == chat["count"]
+    back = server.post("/detokenize", {"tokens": r["tokens"]}).json()
+    assert back == {"prompt": smollm2.tokenizer.decode(r["tokens"])} and text in back["prompt"]
+    for path, body, param in (("/tokenize", {"prompt": text, "messages": CHAT}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": text, "add_special_tokens": False},
+                               "add_special_tokens"),
+                              ("/tokenize", {"prompt": text, "model": "other"}, "model"),
+                              ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        err = server.post(path, body)
+        assert err.status_code in (400, 404), err.text
+        assert err.json()["error"]["param"] == param, err.text
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(server):
     """What clients send by default (zero penalties, an empty logit_bias, text output,
     tool_choice "none") changes nothing and is served."""

@@ -1,6 +1,7 @@
 """`shoal serve`: an OpenAI-compatible HTTP server over one `LLM` (FastAPI + uvicorn).
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /tokenize              POST /detokenize
     GET /health                 GET /version           GET /metrics
 
 The engine runs on the LLM's driver thread. A request is tokenized, checked and submitted
@@ -45,7 +46,8 @@ from shoal.serving.detokenizer import TextStream
 from shoal.serving.generation import Choice, EngineStopped, Generation, TokenInbox
 from shoal.serving.metrics import ServerMetrics
 from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           bad_request, for_prompt, validation_error)
+                                           DetokenizeRequest, TokenizeRequest, bad_request,
+                                           for_prompt, validation_error)
 from shoal.serving.responses import ChatFormat, CompletionFormat, ResponseFormat
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,33 @@ class OpenAIServer:
         fmt = CompletionFormat(self.model_name, self.llm.tokenizer, rid,
                                body.logprobs is not None)
         return await self._respond(gen, fmt, body.stream, body.include_usage, request)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """The ids a completion (prompt) or chat (messages) would run: the count clients
+        budget with. Tokenized on a worker thread, as requests are."""
+        self._check_model(body.model)
+        prompt = body.text_or_conversation()
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._submitter, self._prompt_ids, prompt)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        vocab = self.llm.engine.info.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})",
+                              "tokens")
+
+        def decode() -> str:
+            with self._tokenizer_lock:
+                return self.llm.tokenizer.decode(list(body.tokens))
+        loop = asyncio.get_running_loop()
+        try:
+            return {"prompt": await loop.run_in_executor(self._submitter, decode)}
+        except ValueError as e:  # no tokenizer
+            raise bad_request(str(e), "tokens") from e
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -344,6 +373,14 @@ def build_app(server: OpenAIServer, api_key: str | None = None,
     @app.get("/v1/models")
     async def models():
         return server.models()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await server.detokenize(body)
 
     @app.get("/health")
     async def health():

@@ -248,6 +248,36 @@ class CompletionRequest(_GenerationBody):
         return self._sampling(self.max_tokens, self.logprobs)
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a prompt's token ids as generation would use them."""
+
+    model: str | None = None
+    prompt: str | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # what generation does; False is refused
+    add_generation_prompt: bool = True  # (messages) likewise
+
+    def text_or_conversation(self) -> str | list[int] | list[dict[str, str]]:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        for name in ("add_special_tokens", "add_generation_prompt"):
+            if not getattr(self, name):
+                raise bad_request(f"{name}: false is not supported (tokens are counted as "
+                                  "generation uses them)", name)
+        if self.messages is not None:
+            return ChatCompletionRequest(messages=self.messages).conversation()
+        if not self.prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return self.prompt
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 def _check_max_tokens(value: int | None, param: str) -> None:
     if value is not None and value < 1:
         raise bad_request(f"{param} must be at least 1, got {value}", param)
