@@ -101,6 +101,16 @@ def test_engine_flags_reach_the_engine_config():
     assert kwargs == {k: defaults[k] for k in kwargs}
 
 
+def test_serve_takes_the_api_key_from_the_environment(monkeypatch):
+    """SHOAL_API_KEY is --api-key's default; the flag wins over it."""
+    from shoal.serving.cli import build_parser
+    monkeypatch.setenv("SHOAL_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("SHOAL_API_KEY")
+    assert build_parser().parse_args(["serve"]).api_key is None
+
+
 def test_help_lists_the_commands():
     r = shoal("--help")
     assert r.returncode == 0
