@@ -133,11 +133,16 @@ class NewRequest:
                 raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError naming the first prompt token id outside [0, vocab_size)."""
+        """ValueError naming the first prompt token id, or logit_bias id, outside
+        [0, vocab_size)."""
         for i, t in enumerate(self.prompt_token_ids):
             if not 0 <= t < vocab_size:
                 raise ValueError(f"prompt token id {t} (position {i}) is outside the model's "
                                  f"vocabulary [0, {vocab_size})")
+        for t, _ in self.sampling.logit_bias:
+            if t >= vocab_size:
+                raise ValueError(f"SamplingParams.logit_bias: token id {t} is outside the "
+                                 f"model's vocabulary [0, {vocab_size})")
 
 
 def token_id_list(ids) -> list[int]:

@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.logits_processing import TokenCounts, add_at, apply_penalties, min_p_filter
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch.Generator takes
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 300  # token ids one request may bias (OpenAI's limit)
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -40,6 +43,12 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     min_tokens: int = 0  # stop tokens (eos included) do not end the request before this many
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k (<= 20)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and output tokens, HF's rule)
+    frequency_penalty: float = 0.0  # [-2, 2]; minus this x the count of a token in the output
+    presence_penalty: float = 0.0  # [-2, 2]; minus this once a token is in the output
+    # (token id, bias in [-100, 100]) added to the logits; a dict {id: bias} is taken too
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -63,10 +72,48 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name, low, high in (("min_p", 0.0, 1.0), ("frequency_penalty", -2.0, 2.0),
+                                ("presence_penalty", -2.0, 2.0)):
+            _check_real(name, getattr(self, name))
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"SamplingParams.{name} must be in [{low:g}, {high:g}], got "
+                                 f"{getattr(self, name)!r}")
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError("SamplingParams.repetition_penalty must be > 0, got "
+                             f"{self.repetition_penalty!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the request's output (and, for repetition, prompt) tokens shape its logits."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs; ValueError/TypeError naming the field."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError("SamplingParams.logit_bias must map token ids to biases, got "
+                        f"{type(bias).__name__}")
+    pairs = {}
+    for pair in items:
+        token, value = pair
+        _check_int("logit_bias", token, 0)
+        _check_real("logit_bias", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"SamplingParams.logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token}")
+        pairs[int(token)] = float(value)
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"SamplingParams.logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} "
+                         f"token ids, got {len(pairs)}")
+    return tuple(sorted(pairs.items()))
 
 
 @dataclass(frozen=True)
@@ -129,39 +176,90 @@ def gumbel_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.
 
 
 class Sampler:
-    """Picks one token per row of logits, on the logits' device, in one batch: greedy rows
-    by argmax; the others by the Gumbel-max trick over their temperature-scaled, top-k and
-    top-p filtered logits, with noise from `gumbel_noise`, so a seeded request draws the
-    same tokens whatever batch it lands in. No host sync: the tokens stay on the device
-    (`sample_on_device`) until the caller copies them."""
+    """Picks one token per row of logits, on the logits' device, in one batch. First each
+    row's own settings shape its logits (penalties, logit_bias, min_tokens: see
+    logits_processing); then greedy rows take the argmax, the others the Gumbel-max over
+    their temperature-scaled, min-p, top-k and top-p filtered logits, with noise from
+    `gumbel_noise`, so a seeded request draws the same tokens whatever batch it lands in.
+    No host sync: the tokens stay on the device (`sample_on_device`) until the caller
+    copies them. `rows` are the requests (`shoal.request.Request`: request_id, sampling,
+    stop_token_ids, prompt_token_ids), one per row, each sampled once per call."""
 
     def __init__(self) -> None:
         self._draws: dict[str, tuple[int, int]] = {}  # rid -> (seed, draws so far)
+        self._num_sampled: dict[str, int] = {}  # rid -> tokens sampled (min_tokens requests)
+        self._counts: TokenCounts | None = None  # output tokens of penalised requests
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        return self.sample_on_device(logits, request_ids, params).tolist()
+    def sample(self, logits: torch.Tensor, rows) -> list[int]:
+        return self.sample_on_device(logits, rows).tolist()
 
-    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str],
-                         params: list[SamplingParams]) -> torch.Tensor:
+    def sample_on_device(self, logits: torch.Tensor, rows) -> torch.Tensor:
         """logits [N, vocab] float32 -> [N] int64 token ids on the logits' device."""
+        params = [r.sampling for r in rows]
+        logits, counted = self._shape(logits, rows)
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, sp in enumerate(params) if not sp.is_greedy]
-        if rows:
+        picked = [i for i, sp in enumerate(params) if not sp.is_greedy]
+        if picked:
             device = logits.device
-            sub = [params[i] for i in rows]
-            index = torch.tensor(rows, device=device)
-            scaled = logits.index_select(0, index).float() / torch.tensor(
+            sub = [params[i] for i in picked]
+            index = torch.tensor(picked, device=device)
+            scaled = logits.index_select(0, index) / torch.tensor(
                 [sp.temperature for sp in sub], device=device)[:, None]
+            if any(sp.min_p for sp in sub):
+                scaled = min_p_filter(scaled, torch.tensor([sp.min_p for sp in sub],
+                                                           device=device))
             filtered = _top_k_top_p(scaled, [sp.top_k for sp in sub], [sp.top_p for sp in sub])
-            seeds, draws = zip(*(self._next_draw(request_ids[i], params[i]) for i in rows))
+            seeds, draws = zip(*(self._next_draw(rows[i].request_id, params[i]) for i in picked))
             noise = gumbel_noise(torch.tensor(seeds, device=device),
                                  torch.tensor(draws, device=device), logits.shape[1])
             tokens[index] = (filtered.double() + noise).argmax(dim=-1)
+        if counted is not None:  # the penalised rows' counts take their new tokens
+            index, slab_rows = counted
+            self._counts.add(slab_rows, tokens.index_select(0, index))
+        for r in rows:
+            if r.sampling.min_tokens:
+                self._num_sampled[r.request_id] = self._num_sampled.get(r.request_id, 0) + 1
         return tokens
 
     def forget(self, request_id: str) -> None:
         self._draws.pop(request_id, None)
+        self._num_sampled.pop(request_id, None)
+        if self._counts is not None:
+            self._counts.forget(request_id)
+
+    def _shape(self, logits: torch.Tensor, rows):
+        """(logits with each row's own settings applied, (batch rows, slab rows) of the
+        penalised rows or None). Untouched rows are the input's; the input is not changed
+        (logprobs are of the raw logits)."""
+        barred = [i for i, r in enumerate(rows) if r.sampling.min_tokens
+                  and self._num_sampled.get(r.request_id, 0) < r.sampling.min_tokens]
+        penalised = [i for i, r in enumerate(rows) if r.sampling.has_penalties]
+        biased = [i for i, r in enumerate(rows) if r.sampling.logit_bias]
+        if not (barred or penalised or biased):
+            return logits, None
+        device, vocab = logits.device, logits.shape[1]
+        logits = logits.clone()
+        counted = None
+        if penalised:
+            if self._counts is None:
+                self._counts = TokenCounts(vocab, device)
+            slab_rows = torch.tensor([self._counts.row(rows[i].request_id, rows[i].prompt_token_ids)
+                                      for i in penalised], device=device)
+            index = torch.tensor(penalised, device=device)
+            sp = [rows[i].sampling for i in penalised]
+            logits.index_copy_(0, index, apply_penalties(
+                logits.index_select(0, index), self._counts.counts.index_select(0, slab_rows),
+                self._counts.in_prompt.index_select(0, slab_rows),
+                *(torch.tensor([getattr(s, name) for s in sp], device=device) for name in
+                  ("repetition_penalty", "frequency_penalty", "presence_penalty"))))
+            counted = (index, slab_rows)
+        cells = [(i, t, b) for i in biased for t, b in rows[i].sampling.logit_bias]
+        # min_tokens: the stop tokens (eos included) cannot be drawn before it is reached
+        cells += [(i, t, float("-inf")) for i in barred for t in sorted(rows[i].stop_token_ids)
+                  if t < vocab]
+        if cells:
+            add_at(logits, *map(list, zip(*cells)))
+        return logits, counted
 
     def _next_draw(self, rid: str, sp: SamplingParams) -> tuple[int, int]:
         seed, n = self._draws.get(rid) or (

@@ -27,7 +27,8 @@ ALLOWED = {
     "shoal.parallel": ("shoal.parallel", "shoal.engine", "shoal.kv", "shoal.model", *CONTRACT,
                        *RECORDS),
     "shoal.request": ("shoal.sampling",),
-    "shoal.sampling": (),
+    "shoal.sampling": ("shoal.logits_processing",),
+    "shoal.logits_processing": (),
     "shoal.config": ("shoal.connectors.base",),
 }
 MODE_STRINGS = {"tp", "adp", "single"}

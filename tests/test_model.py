@@ -53,3 +53,58 @@ def test_smollm2_gguf_matches_transformers(smollm2_path, smollm2_hf, max_num_tok
     expected = [hf_greedy(smollm2_hf, p, 20, eos_token_id=2) for p in prompts]
     assert [o.token_ids for o in outs] == expected
     assert "Paris" in texts[0]
+
+
+def _hf_generate(model, prompt_ids: list[int], max_new_tokens: int, **kw) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0, temperature=None,
+                             top_p=None, top_k=None, **kw)
+    return out[0, len(prompt_ids):].tolist()
+
+
+class _FrequencyPresence:
+    """OpenAI's frequency and presence penalties as a transformers logits processor (over
+    the generated tokens only): the reference for Shoal's."""
+
+    def __init__(self, num_prompt: int, frequency: float, presence: float):
+        self.num_prompt, self.frequency, self.presence = num_prompt, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, input_ids[:, self.num_prompt:], torch.ones_like(
+            input_ids[:, self.num_prompt:], dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+@pytest.mark.parametrize("overlap, max_num_tokens", [(False, 2048), (True, 7)])
+def test_penalties_bias_and_min_tokens_match_transformers(tiny_model, overlap, max_num_tokens):
+    """Greedy requests, each with one of the sampler's logit settings, batched together,
+    equal transformers' generate with its own processors for the same setting; a request
+    with none is unchanged."""
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    n = 24
+    prompts = random_prompts(512, [9, 13, 6, 21, 11], seed=4)
+    plain = [hf_greedy(ref, p, n) for p in prompts]
+    stop = plain[3][2]  # min_tokens: a token the plain answer draws early
+    boosted, banned = (plain[2][1] + 1) % 512, plain[2][0]
+    settings = [
+        (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
+        (dict(frequency_penalty=1.0, presence_penalty=0.5),
+         dict(logits_processor=LogitsProcessorList([_FrequencyPresence(13, 1.0, 0.5)]))),
+        (dict(logit_bias={boosted: 3.0, banned: -100.0}),
+         dict(sequence_bias={(boosted,): 3.0, (banned,): -100.0})),
+        (dict(min_tokens=8, stop_token_ids=(stop,)), dict(min_new_tokens=8, eos_token_id=stop)),
+        (dict(), dict())]
+    expected = [_hf_generate(ref, p, n, **hf) for p, (_, hf) in zip(prompts, settings)]
+    sampling = [SamplingParams(max_tokens=n, **ours) for ours, _ in settings]
+    with LLM(tiny_model, block_size=4, max_num_tokens=max_num_tokens, num_kv_blocks=128,
+             overlap_scheduler=overlap) as llm:
+        outs = llm.generate(prompts, sampling)
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == expected
+    assert all(e != p for e, p in zip(expected[:4], plain[:4]))  # each setting changed it
+    assert expected[4] == plain[4] and stop not in expected[3][:8]

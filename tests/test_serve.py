@@ -373,13 +373,15 @@ def test_cached_tokens_on_a_repeated_long_prompt(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
      "messages.0.content"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": ["\ud800"]}, "stop"),
-    # asked for, not built: refused, never ignored (issue 27 builds them)
+    # sampling settings outside OpenAI's (or vLLM's) ranges
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 50}, "frequency_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": -0.1}, "presence_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "min_p": 0.1}, "min_p"),
-    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"42": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": -2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"42": 500}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"abc": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, "logit_bias"),
+    # asked for, not built: refused, never ignored (issue 27 builds them)
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
      "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
@@ -423,6 +425,25 @@ def test_tokenize_and_detokenize(server, smollm2):
         err = server.post(path, body)
         assert err.status_code in (400, 404), err.text
         assert err.json()["error"]["param"] == param, err.text
+
+
+def test_penalties_bias_and_min_p_equal_the_library(server, smollm2):
+    """The sampling settings over HTTP run as the library's SamplingParams do (the same
+    tokens), and they do change the answer."""
+    prompt = "List the days of the week: Monday, Tuesday,"
+    settings = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3,
+                "logit_bias": {"28": 4.0}}
+    r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                        **settings}).json()
+    library = {**settings, "logit_bias": {28: 4.0}}
+    want = smollm2.generate([prompt], SamplingParams(max_tokens=12, **library))[0]
+    plain = smollm2.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert r["choices"][0]["text"] == want.text and want.token_ids != plain.token_ids
+    seeded = {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 3, "min_p": 0.3}
+    r = server.post("/v1/completions", seeded).json()
+    want = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                                                     min_p=0.3))[0]
+    assert r["choices"][0]["text"] == want.text
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):

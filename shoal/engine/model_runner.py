@@ -95,9 +95,9 @@ class ModelRunner:
                 input_ids, positions, meta, sample_rows = prepare(batch, token_counts)
                 hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
                 logits = self.model.compute_logits(hidden[sample_rows])
-            request_ids = [c.request.request_id for c in sampling]
-            tokens = self.sampler.sample_on_device(
-                logits, request_ids, [c.request.sampling for c in sampling]).int()
+            requests = [c.request for c in sampling]
+            tokens = self.sampler.sample_on_device(logits, requests).int()
+            request_ids = [r.request_id for r in requests]
         self._prev_tokens = tokens
         self._prev_rows = {rid: row for row, rid in enumerate(request_ids)}
         sampled = SampledTokens(tokens)

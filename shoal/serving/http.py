@@ -47,7 +47,7 @@ from shoal.serving.generation import Choice, EngineStopped, Generation, TokenInb
 from shoal.serving.metrics import ServerMetrics
 from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                            DetokenizeRequest, TokenizeRequest, bad_request,
-                                           for_prompt, validation_error)
+                                           field_of, for_prompt, validation_error)
 from shoal.serving.responses import ChatFormat, CompletionFormat, ResponseFormat
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,9 @@ class OpenAIServer:
             for c in choices:
                 c.cancel()
             if isinstance(e, (TypeError, ValueError)):
-                raise bad_request(str(e), "cache_salt" if "cache_salt" in str(e) else "prompt")
+                param = field_of(str(e)) or ("cache_salt" if "cache_salt" in str(e)
+                                              else "prompt")
+                raise bad_request(str(e), param)
             if isinstance(e, RuntimeError) and not isinstance(e, ApiError):
                 raise EngineStopped(str(e)) from e
             raise

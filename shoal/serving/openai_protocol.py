@@ -96,13 +96,14 @@ class _GenerationBody(_Body):
     min_tokens: int = 0
     stop_token_ids: list[StrictInt] | None = None
     cache_salt: str | None = None
-    # accepted by OpenAI or vLLM, not built here: a value that asks for them is a 400
-    # naming the field (never ignored); their neutral values pass (clients send those)
+    # sampling beyond OpenAI's basics (ranges checked by SamplingParams, 400 naming the field)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # accepted by OpenAI or vLLM, not built here: a value that asks for them is a 400
+    # naming the field (never ignored); their neutral values pass (clients send those)
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -130,23 +131,8 @@ class _GenerationBody(_Body):
 
     def _refuse_unsupported(self) -> None:
         """400 naming the first field that asks for what this server does not do yet."""
-        for name, low, high in (("frequency_penalty", -2.0, 2.0),
-                                ("presence_penalty", -2.0, 2.0)):
-            value = getattr(self, name)
-            if not low <= value <= high:
-                raise bad_request(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
-        if not self.repetition_penalty > 0:
-            raise bad_request(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                              "repetition_penalty")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad_request(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         rf = self.response_format
         asked = {
-            "frequency_penalty": self.frequency_penalty != 0,
-            "presence_penalty": self.presence_penalty != 0,
-            "repetition_penalty": self.repetition_penalty != 1,
-            "min_p": self.min_p != 0,
-            "logit_bias": bool(self.logit_bias),
             "response_format": rf is not None and rf.get("type", "text") != "text",
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
@@ -164,6 +150,17 @@ class _GenerationBody(_Body):
                 raise bad_request(f"{name} is not supported by this server yet (the request "
                                   "was not run; leave the field out)", name)
 
+    def _logit_bias(self) -> dict[int, float]:
+        """logit_bias with its keys (token ids as JSON strings) read as ints."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r:.40}",
+                                  "logit_bias") from None
+        return out
+
     def _sampling(self, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
         """The choices' sampling (choice i of a seeded request gets seed + i); 400 naming
         the field that SamplingParams refuses, or that asks for an unsupported feature.
@@ -177,9 +174,12 @@ class _GenerationBody(_Body):
                 max_tokens=max_tokens if max_tokens is not None else max(self.min_tokens, 1),
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                 seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=self.ignore_eos, logprobs=num_logprobs, min_tokens=self.min_tokens)
+                ignore_eos=self.ignore_eos, logprobs=num_logprobs, min_tokens=self.min_tokens,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                logit_bias=self._logit_bias())
         except (TypeError, ValueError) as e:
-            raise bad_request(str(e), _field_of(str(e))) from e
+            raise bad_request(str(e), field_of(str(e))) from e
 
 
 class ChatCompletionRequest(_GenerationBody):
@@ -283,7 +283,7 @@ def _check_max_tokens(value: int | None, param: str) -> None:
         raise bad_request(f"{param} must be at least 1, got {value}", param)
 
 
-def _field_of(message: str) -> str | None:
+def field_of(message: str) -> str | None:
     """The request field a SamplingParams message names ("SamplingParams.top_p must...")."""
     m = re.search(r"SamplingParams\.(\w+)", message)
     return m.group(1) if m else None
@@ -302,7 +302,7 @@ def for_prompt(sampling: SamplingParams, num_prompt_tokens: int, max_request_len
     try:
         return replace(sampling, **changes) if changes else sampling
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e), _field_of(str(e))) from e
+        raise bad_request(str(e), field_of(str(e))) from e
 
 
 def validation_error(errors: list[dict]) -> ApiError:

@@ -1,0 +1,88 @@
+"""What a request's own settings do to its logits before a token is picked: repetition,
+frequency and presence penalties, logit_bias, and min_tokens (stop tokens barred), as
+OpenAI and vLLM define them. Batched over the rows that asked; rows that did not are left
+alone, so greedy output is unchanged when none of these is set.
+
+The penalties need the tokens each request has produced. Those are counted on the device as
+they are sampled (`TokenCounts`), so a step never waits for the previous step's tokens to
+reach the host (the overlap loop samples step n+1 before step n's tokens are read back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenCounts:
+    """Per request, how often each token id was produced ([vocab] int32) and which ids its
+    prompt holds ([vocab] bool), as rows of two device slabs. Row 0 stays zero: the row of
+    requests that keep no counts."""
+
+    def __init__(self, vocab: int, device: torch.device, capacity: int = 8):
+        self.vocab, self.device = vocab, device
+        self.counts = torch.zeros(capacity, vocab, dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros(capacity, vocab, dtype=torch.bool, device=device)
+        self._free = list(range(capacity - 1, 0, -1))
+        self._rows: dict[str, int] = {}
+
+    def row(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """The request's row; a new one is filled from its prompt."""
+        row = self._rows.get(request_id)
+        if row is None:
+            if not self._free:
+                self._grow()
+            row = self._rows[request_id] = self._free.pop()
+            self.counts[row].zero_()
+            self.in_prompt[row].zero_()
+            if prompt_token_ids:
+                ids = torch.tensor(prompt_token_ids, dtype=torch.long, device=self.device)
+                self.in_prompt[row].index_fill_(0, ids, True)
+        return row
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """counts[rows[i], tokens[i]] += 1, on the device."""
+        self.counts.index_put_((rows, tokens.long()), torch.ones_like(rows, dtype=torch.int32),
+                               accumulate=True)
+
+    def forget(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+        self.in_prompt = torch.cat([self.in_prompt, torch.zeros_like(self.in_prompt)])
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor) -> torch.Tensor:
+    """Penalised copy of `logits` [R, vocab]. `counts` [R, vocab]: output tokens so far;
+    `in_prompt` [R, vocab]. Repetition (HF/vLLM): a token seen in the prompt or the output
+    has a positive logit divided by the penalty, a negative one multiplied. Frequency and
+    presence (OpenAI): minus penalty x count, and minus penalty once if it occurred."""
+    occurred = counts > 0
+    rep = repetition[:, None]
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(occurred | in_prompt, scaled, logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * occurred
+
+
+def add_at(logits: torch.Tensor, rows: list[int], token_ids: list[int],
+           values: list[float]) -> torch.Tensor:
+    """logits[rows[i], token_ids[i]] += values[i], in place (one launch for all rows)."""
+    if rows:
+        device = logits.device
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)),
+                          torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    return logits
+
+
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Tokens whose probability is below min_p x the most likely token's set to -inf
+    (rows with min_p 0 are unchanged)."""
+    probs = logits.softmax(dim=-1)
+    floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
