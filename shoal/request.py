@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.perf_counter() when the request entered the engine
+    scheduled_time: float | None = None  # first admitted to a step (its queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
 

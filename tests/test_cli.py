@@ -44,6 +44,9 @@ def test_generate_json_on_smollm2(smollm2_path, tmp_path):
     (["serve", "--port", "0"], "--port"),
     (["serve", "--shutdown-grace", "-1"], "--shutdown-grace"),
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes"),
+    (["serve", "--max-concurrent-requests", "0"], "--max-concurrent-requests"),
+    (["serve", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "--read-timeout", "-1"], "--read-timeout"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(args, needle):
     r = shoal(*args)
@@ -67,13 +70,15 @@ def test_serve_on_an_address_it_cannot_take_is_one_line_and_exit_1():
 
 # every option `shoal serve --help` lists; each is exercised: the engine's below, the
 # server's in test_serve.py (--host, --port, --served-model-name, --shutdown-grace,
-# --access-log, --api-key, --max-body-bytes) and above (bad --port, --shutdown-grace,
-# --max-body-bytes, an address in use)
+# --access-log, --api-key, --max-body-bytes, --max-concurrent-requests, --max-queue,
+# --read-timeout) and above (bad --port, --shutdown-grace, --max-body-bytes and the
+# limits, an address in use)
 SERVE_OPTIONS = {
     "--model", "--dp", "--tp", "--kv-pool", "--block-size", "--max-batch-size",
     "--max-num-tokens", "--num-kv-blocks", "--kv-cache-gb", "--no-overlap", "--device",
     "--dtype", "--enforce-eager", "--host", "--port", "--served-model-name",
-    "--shutdown-grace", "--access-log", "--api-key", "--max-body-bytes"}
+    "--shutdown-grace", "--access-log", "--api-key", "--max-body-bytes",
+    "--max-concurrent-requests", "--max-queue", "--read-timeout"}
 
 
 def test_serve_help_lists_only_tested_options():

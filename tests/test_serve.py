@@ -10,6 +10,7 @@ import re
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -642,6 +643,89 @@ def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2)
             cut_after = time.monotonic() - start
         assert s.wait_for_line("timeout graceful shutdown exceeded", READY_TIMEOUT)
         assert cut_after < 15  # the default grace (30 s) would have let it run on
+    finally:
+        assert s.stop() == 0
+
+
+def _wait_metric(s: Server, name: str, value: float, timeout: float = 60.0) -> None:
+    """Until /metrics shows `name` at `value` (the server's own state, read as it changes)."""
+    deadline = time.monotonic() + timeout
+    while (seen := s.metrics().get(name)) != value:
+        assert time.monotonic() < deadline, f"{name} stayed {seen}, expected {value}"
+
+
+def _raw(s: Server, data: bytes) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+    conn.sendall(data)
+    return conn
+
+
+def _read_all(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    with conn:
+        while chunk := conn.recv(65536):
+            out += chunk
+    return out
+
+
+def test_places_queue_429_and_stalled_clients(smollm2_path, smollm2):
+    """--max-concurrent-requests 1 --max-queue 1: one runs, one waits, the next gets 429
+    with Retry-After while /health answers; the place goes to the waiter once the running
+    request's client leaves, and a waiter that leaves gives its turn up. --read-timeout 2:
+    a client that stalls mid-request is answered 408 and cut; one waiting for a long
+    answer is not."""
+    s = Server(smollm2_path, "--max-concurrent-requests", "1", "--max-queue", "1",
+               "--read-timeout", "2", "--num-kv-blocks", "320")
+    long = {"prompt": "Count to ten thousand:", "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    short = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
+    try:
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
+            next(r.iter_lines())  # running: the one place is taken
+            waiting = threading.Thread(target=lambda: results.append(
+                s.post("/v1/completions", short)))
+            results: list[httpx.Response] = []
+            waiting.start()
+            _wait_metric(s, "shoal:server_requests_queued", 1)
+            refused = s.post("/v1/completions", short)
+            assert refused.status_code == 429, refused.text
+            assert int(refused.headers["retry-after"]) >= 1
+            err = refused.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "too_many_requests"
+            assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+            assert s.metrics()["shoal:num_requests_rejected_total"] == 1
+        waiting.join(120)  # the stream's client left: its place went to the waiter
+        assert results[0].status_code == 200, results[0].text
+        ref = smollm2.generate([short["prompt"]], SamplingParams(max_tokens=3))[0].text
+        assert results[0].json()["choices"][0]["text"] == ref
+        # a waiter whose client leaves gives its turn up: the next request runs at once
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
+            next(r.iter_lines())
+            body = json.dumps(short).encode()
+            leaver = _raw(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            _wait_metric(s, "shoal:server_requests_queued", 1)
+            leaver.close()
+            _wait_metric(s, "shoal:server_requests_queued", 0)
+        assert s.post("/v1/completions", short).status_code == 200
+        _wait_metric(s, "shoal:server_requests_running", 0)
+        # --read-timeout 2: stalled headers, a stalled body, a silent connection: 408, cut
+        stalled = [_raw(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"),
+                   _raw(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\""),
+                   _raw(s, b"")]
+        for conn in stalled:
+            answer = _read_all(conn)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
+        # a stream that outlasts the timeout is not cut
+        start = time.monotonic()
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120,
+                          json={**long, "max_tokens": 60}) as r:
+            events = _sse(r)
+        assert time.monotonic() - start > 2, "the stream must outlast --read-timeout"
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     finally:
         assert s.stop() == 0
 

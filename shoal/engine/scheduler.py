@@ -123,6 +123,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_local_prefix_tokens is None:
                 req.num_local_prefix_tokens = num_cached
+                req.metrics.scheduled_time = time.perf_counter()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if transfers and transfers.admit(req, num_cached, num_external):

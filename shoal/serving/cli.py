@@ -80,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N",
                     help="refuse (413) a request body larger than this, before it is parsed "
                     "(default 8 MiB)")
+    sv.add_argument("--max-concurrent-requests", type=int, metavar="N",
+                    help="generation requests taken at once; a request holds its place until "
+                    "the engine ended every choice (default: the engine's batch, max batch size x "
+                    "data-parallel ranks)")
+    sv.add_argument("--max-queue", type=int, metavar="N",
+                    help="requests that may wait for a place; past it the answer is 429 with "
+                    "Retry-After (default: as many as may run at once)")
+    sv.add_argument("--read-timeout", type=float, default=30.0, metavar="SEC",
+                    help="a client that sends no byte of an unfinished request for this long "
+                    "gets 408 and is disconnected (default 30; 0 = never)")
     sv.add_argument("--api-key", metavar="KEY", default=os.environ.get("SHOAL_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                     "$SHOAL_API_KEY; /health and /metrics stay open)")
@@ -240,19 +250,33 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
-    if args.max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    limits = _server_limits(args)
     _check_pool(args)
     # an address in use fails before the weights load too
     with contextlib.closing(listen(args.host, args.port)) as sock:
         llm = LLM(args.model, **_engine_kwargs(args))
         try:
             serve(llm, sock, args.served_model_name or args.model, args.shutdown_grace,
-                  api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                  access_log=args.access_log)
+                  api_key=args.api_key or None, limits=limits, access_log=args.access_log)
         finally:
             llm.shutdown()  # drains pending saves, stops every rank
     return 0
+
+
+def _server_limits(args: argparse.Namespace):
+    """The serve flags' limits (ValueError naming the flag)."""
+    from shoal.serving.limits import ServerLimits
+
+    if args.read_timeout < 0:
+        raise ValueError(f"--read-timeout must be >= 0 (0 = never), got {args.read_timeout}")
+    try:
+        return ServerLimits(max_body_bytes=args.max_body_bytes,
+                            max_concurrent_requests=args.max_concurrent_requests,
+                            max_queue=args.max_queue,
+                            read_timeout_s=args.read_timeout or None)
+    except ValueError as e:
+        name = str(e).split()[0]
+        raise ValueError(f"--{name.replace('_', '-').removesuffix('-s')}: {e}") from None
 
 
 def _check_pool(args: argparse.Namespace) -> None:

@@ -145,7 +145,35 @@ class Generation:
             raise ApiError(500, f"the request failed: {out.error}", type_="server_error")
         choice.finish_reason = "stop" if choice.text.stopped else out.finish_reason
         self.metrics.observe_finished(choice.finish_reason, when - choice.arrival)
+        self.metrics.observe_phases(choice.arrival, out.metrics)
         return Delta(choice, choice.text.finish(), [], choice.finish_reason)
+
+
+class ChoiceQueue(asyncio.Queue):
+    """One HTTP request's queue of (index, token_ids, logprobs, time) items, which also
+    counts its choices' ends (token_ids None): `on_all_ended(n, callback)` calls back once
+    n choices have ended, whether or not anyone still reads the queue (a client that left)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._num_ended = 0
+        self._expected = 0
+        self._on_all_ended = None
+
+    def put_nowait(self, item) -> None:
+        super().put_nowait(item)
+        if item[1] is None:
+            self._num_ended += 1
+            self._check_ended()
+
+    def on_all_ended(self, num_choices: int, callback) -> None:
+        self._expected, self._on_all_ended = num_choices, callback
+        self._check_ended()
+
+    def _check_ended(self) -> None:
+        if self._on_all_ended is not None and self._num_ended >= self._expected:
+            callback, self._on_all_ended = self._on_all_ended, None
+            callback()
 
 
 class TokenInbox:

@@ -9,7 +9,9 @@ on a worker thread (submit waits for the driver between two steps); its tokens c
 to the event loop through the handle's callback (`generation.py`), so the loop never
 waits for the engine. Errors use OpenAI's body; bad input is a 400 naming the field.
 With `--api-key`, /v1/* needs `Authorization: Bearer <key>` (401 otherwise); a body
-past `--max-body-bytes` is answered 413 before it is parsed.
+past `--max-body-bytes` is answered 413 before it is parsed; past
+`--max-concurrent-requests` running and `--max-queue` waiting, a 429 (admission.py); a
+client that stalls mid-request is cut after `--read-timeout` (read_timeout.py).
 Once the port accepts requests, one line on stderr says so (`READY_MESSAGE`, the URL, the
 served name). SIGTERM/SIGINT: stop accepting, let running requests finish within the grace
 (then cancel them), `llm.shutdown()`, exit 0.
@@ -41,18 +43,22 @@ import uvicorn
 import shoal
 from shoal.llm import LLM
 from shoal.sampling import SamplingParams
-from shoal.serving.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from shoal.serving.admission import Admission, Place, QueueFull
+from shoal.serving.body_limit import BodyLimit
 from shoal.serving.detokenizer import TextStream
-from shoal.serving.generation import Choice, EngineStopped, Generation, TokenInbox
+from shoal.serving.generation import Choice, ChoiceQueue, EngineStopped, Generation, TokenInbox
+from shoal.serving.limits import ServerLimits
 from shoal.serving.metrics import ServerMetrics
 from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                            DetokenizeRequest, TokenizeRequest, bad_request,
                                            field_of, for_prompt, validation_error)
+from shoal.serving.read_timeout import ReadTimeoutProtocol
 from shoal.serving.responses import ChatFormat, CompletionFormat, ResponseFormat
 
 log = logging.getLogger(__name__)
 
 SUBMIT_THREADS = 64  # requests being tokenized and added at once
+METRICS_WAIT_S = 0.05  # /metrics waits this long for fresh engine stats, then uses the last
 # the line on stderr once listening: "shoal serve: ready on http://HOST:PORT (model NAME)"
 READY_MESSAGE = "shoal serve: ready on"
 
@@ -60,8 +66,10 @@ READY_MESSAGE = "shoal serve: ready on"
 class OpenAIServer:
     """The endpoints' logic over one LLM (which it does not own: the caller shuts it down)."""
 
-    def __init__(self, llm: LLM, served_model_name: str):
+    def __init__(self, llm: LLM, served_model_name: str, limits: ServerLimits = ServerLimits()):
         self.llm = llm
+        self.limits = limits
+        self.admission = Admission(*limits.places(llm.config.max_batch_size * llm.config.dp_size))
         self.model_name = served_model_name
         info = llm.engine.info
         # what a request may grow to (the scheduler's limit: context, or the whole cache)
@@ -70,6 +78,10 @@ class OpenAIServer:
         self.metrics = ServerMetrics(served_model_name)
         self.created = int(time.time())
         self._submitter = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="shoal-submit")
+        # engine stats for /metrics: never queued behind tokenizing requests
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="shoal-stats")
+        self._stats: dict | None = None  # the last stats read
+        self._stats_future: asyncio.Future | None = None  # a read in flight
         self._tokenizer_lock = threading.Lock()  # HF tokenizers are not reentrant-safe
         llm.tokenizer.is_available  # noqa: B018 -- loaded now, not by concurrent requests
         self.is_stopping = False
@@ -87,6 +99,7 @@ class OpenAIServer:
 
     def close(self) -> None:
         self._submitter.shutdown(wait=False, cancel_futures=True)
+        self._control.shutdown(wait=False, cancel_futures=True)
 
     # -- endpoints -----------------------------------------------------------------------
 
@@ -94,14 +107,14 @@ class OpenAIServer:
         self._check_model(body.model)
         sampling = body.sampling()
         conversation = body.conversation()
-        rid, gen = await self._start([conversation], sampling, body, "chatcmpl")
+        rid, gen = await self._start([conversation], sampling, body, "chatcmpl", request)
         fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs)
         return await self._respond(gen, fmt, body.stream, body.include_usage, request)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         sampling = body.sampling()
-        rid, gen = await self._start(body.prompts(), sampling, body, "cmpl")
+        rid, gen = await self._start(body.prompts(), sampling, body, "cmpl", request)
         fmt = CompletionFormat(self.model_name, self.llm.tokenizer, rid,
                                body.logprobs is not None)
         return await self._respond(gen, fmt, body.stream, body.include_usage, request)
@@ -149,14 +162,25 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def render_metrics(self) -> Response:
-        loop = asyncio.get_running_loop()
-        try:
-            stats = await loop.run_in_executor(self._submitter, self.llm.stats)
-        except Exception as e:  # the engine is gone: the server's own metrics still count
-            log.debug("stats: %s", e)
-            stats = None
-        return Response(self.metrics.render(stats),
+        """The metrics with the engine's stats as fresh as METRICS_WAIT_S allows: a read
+        waits for the engine between two steps, and a long prefill step must not hold the
+        answer (the last stats read are used meanwhile)."""
+        if self._stats_future is None:
+            loop = asyncio.get_running_loop()
+            self._stats_future = loop.run_in_executor(self._control, self.llm.stats)
+            self._stats_future.add_done_callback(self._stats_read)
+        await asyncio.wait({self._stats_future}, timeout=METRICS_WAIT_S)
+        return Response(self.metrics.render(self._stats, self.admission),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _stats_read(self, future: asyncio.Future) -> None:
+        self._stats_future = None
+        if future.cancelled() or future.exception() is not None:
+            # the engine is gone: the server's own metrics still count
+            log.debug("stats: %s", None if future.cancelled() else future.exception())
+            self._stats = None
+        else:
+            self._stats = future.result()
 
     # -- requests --------------------------------------------------------------------------
 
@@ -169,29 +193,56 @@ class OpenAIServer:
         if self.is_stopping:
             raise ApiError(503, "the server is shutting down", type_="service_unavailable")
 
-    async def _start(self, prompts: list, sampling: SamplingParams, body,
-                     kind: str) -> tuple[str, Generation]:
-        """Tokenize, check and submit every choice on a worker thread; the choices' tokens
-        reach `queue` on this loop. If this task is cancelled meanwhile, whatever was
-        submitted is cancelled once the worker returns."""
+    async def _start(self, prompts: list, sampling: SamplingParams, body, kind: str,
+                     request: Request) -> tuple[str, Generation]:
+        """Take a place (admission.py), then tokenize, check and submit every choice on a
+        worker thread; the choices' tokens reach their queue on this loop, and the place
+        is given back once every choice has ended in the engine. If this task is
+        cancelled meanwhile, whatever was submitted is cancelled once the worker returns."""
         loop = asyncio.get_running_loop()
         if self._inbox is None:
             self._inbox = TokenInbox(loop)
-        queue: asyncio.Queue = asyncio.Queue()
         arrival = time.perf_counter()
         rid = f"{kind}-{uuid.uuid4().hex}"
         stop = body.stop_strings()
         has_limit = (getattr(body, "max_completion_tokens", None) is not None
                      or body.max_tokens is not None)
+        place = await self._admit(request)
+        queue = ChoiceQueue()
         future = loop.run_in_executor(
             self._submitter, self._submit_all, queue, rid, prompts, sampling, has_limit,
             body.n, stop, body.cache_salt, arrival)
+        future.add_done_callback(lambda f: _hold_until_ended(f, queue, place))
         try:
             choices = await asyncio.shield(future)
         except asyncio.CancelledError:
             future.add_done_callback(_cancel_submitted)
             raise
         return rid, Generation(choices, queue, self.metrics)
+
+    async def _admit(self, request: Request) -> Place:
+        """A place for a generation request (QueueFull: 429), given up if the client
+        leaves while it waits."""
+        try:
+            place = self.admission.take_now()
+        except QueueFull:
+            self.metrics.observe_rejected()
+            raise
+        if place is not None:
+            return place
+        enter = asyncio.ensure_future(self.admission.wait())
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({enter, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not enter.done():
+                enter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await enter
+        if enter.cancelled():
+            raise asyncio.CancelledError  # the client left while waiting
+        return enter.result()
 
     def _submit_all(self, queue, rid, prompts, sampling, has_limit, n, stop,
                     cache_salt, arrival) -> list[Choice]:
@@ -292,6 +343,14 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
+def _hold_until_ended(future, queue: ChoiceQueue, place: Place) -> None:
+    """The place goes back once every submitted choice has ended (at once if none was)."""
+    if future.cancelled() or future.exception() is not None:
+        place.release()  # nothing was submitted (a bad request): all or nothing
+    else:
+        queue.on_all_ended(len(future.result()), place.release)
+
+
 def _cancel_submitted(future) -> None:
     """A submit whose HTTP request was abandoned meanwhile: cancel what it started."""
     if not future.cancelled() and future.exception() is None:
@@ -317,20 +376,20 @@ def _engine_stopped(error: BaseException) -> ApiError:
 
 
 def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = ({"Retry-After": str(e.retry_after_s)} if isinstance(e, QueueFull) else None)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 # -- the app and the process ---------------------------------------------------------------
 
 
-def build_app(server: OpenAIServer, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(server: OpenAIServer, api_key: str | None = None) -> FastAPI:
     """The app; with `api_key`, every /v1/* request must carry `Authorization: Bearer
     <api_key>` (compared in constant time) or is answered 401 (as vLLM: /health,
-    /version and /metrics stay open). A body past `max_body_bytes` is answered 413
-    before it is parsed (body_limit.py)."""
+    /version and /metrics stay open). A body past the server's `max_body_bytes` is
+    answered 413 before it is parsed (body_limit.py)."""
     app = FastAPI(title="shoal", version=shoal.__version__, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=server.limits.max_body_bytes)
 
     if api_key:
         expected = api_key.encode()
@@ -436,15 +495,15 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(llm: LLM, sock: socket.socket, served_model_name: str,
           shutdown_grace_sec: float, access_log: bool = False,
-          api_key: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+          api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> None:
     """Serve on `sock` (from `listen`) until SIGTERM/SIGINT; then stop accepting, give
     running requests `shutdown_grace_sec` to finish (cancel the rest) and return. The
-    caller shuts the LLM down. `api_key`, `max_body_bytes`: see build_app."""
-    server = OpenAIServer(llm, served_model_name)
-    config = uvicorn.Config(build_app(server, api_key, max_body_bytes), lifespan="off",
+    caller shuts the LLM down. `api_key`: see build_app."""
+    server = OpenAIServer(llm, served_model_name, limits)
+    config = uvicorn.Config(build_app(server, api_key), lifespan="off", http=ReadTimeoutProtocol,
                             log_level="info" if access_log else "warning",
                             access_log=access_log, timeout_graceful_shutdown=shutdown_grace_sec)
+    config.shoal_read_timeout_s = limits.read_timeout_s
     try:
         _Server(config, server).run(sockets=[sock])
     finally:

@@ -67,7 +67,18 @@ VLLM_NAMES = frozenset({
     "request_success_total", "prompt_tokens_total", "generation_tokens_total",
     "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
     "time_to_first_token_seconds", "inter_token_latency_seconds",
-    "e2e_request_latency_seconds"})
+    "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "request_prefill_time_seconds", "request_decode_time_seconds",
+    "request_inference_time_seconds"})
+# the phases of a request: (name, help); each observed from the engine's timestamps
+PHASES = (
+    ("request_queue_time_seconds", "Time waiting: from arrival at the server (a place "
+     "included) to the first step that took it"),
+    ("request_prefill_time_seconds", "Time from the first step that took the request to its "
+     "first token (prefill, pool loads)"),
+    ("request_decode_time_seconds", "Time from the first token to the last"),
+    ("request_inference_time_seconds", "Time from the first step that took the request to "
+     "its end (prefill and decode)"))
 _SAMPLE_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
@@ -111,7 +122,13 @@ class ServerMetrics:
         self.e2e = Histogram("shoal:e2e_request_latency_seconds",
                              "End-to-end request latency (arrival to last token)", labels,
                              buckets=E2E_BUCKETS, registry=self.registry)
+        self.phases = {name: Histogram(f"shoal:{name}", doc, labels, buckets=E2E_BUCKETS,
+                                       registry=self.registry) for name, doc in PHASES}
+        self.rejected = Counter("shoal:num_requests_rejected",
+                                "Requests refused with 429: every place taken, the queue full",
+                                labels, registry=self.registry)
         self._stats: dict | None = None
+        self._admission = None
         self.registry.register(_EngineCollector(self))
 
     def observe_first_token(self, seconds: float) -> None:
@@ -128,13 +145,35 @@ class ServerMetrics:
         self.request_success.labels(self.model_name, finish_reason).inc()
         self.e2e.labels(self.model_name).observe(e2e_seconds)
 
-    def render(self, stats: dict) -> bytes:
-        """The text exposition with `stats` (an `llm.stats()`) as the engine's part."""
-        self._stats = stats
+    def observe_phases(self, arrival: float, metrics) -> None:
+        """The phases of an ended request (`metrics`: its RequestMetrics; `arrival`: when it
+        reached the server, on the same clock); those it never reached are not observed."""
+        start, first, end = metrics.scheduled_time, metrics.first_token_time, metrics.finish_time
+        if start is None:
+            return  # ended before any step took it (cancelled while queued)
+        self.phases["request_queue_time_seconds"].labels(self.model_name).observe(
+            max(start - arrival, 0.0))
+        if first is not None:
+            self.phases["request_prefill_time_seconds"].labels(self.model_name).observe(
+                first - start)
+            if end is not None:
+                self.phases["request_decode_time_seconds"].labels(self.model_name).observe(
+                    end - first)
+        if end is not None:
+            self.phases["request_inference_time_seconds"].labels(self.model_name).observe(
+                end - start)
+
+    def observe_rejected(self) -> None:
+        self.rejected.labels(self.model_name).inc()
+
+    def render(self, stats: dict | None, admission=None) -> bytes:
+        """The text exposition with `stats` (an `llm.stats()`, None: not known) as the
+        engine's part and the server's places (`admission.Admission`)."""
+        self._stats, self._admission = stats, admission
         try:
             return with_vllm_names(generate_latest(self.registry))
         finally:
-            self._stats = None
+            self._stats = self._admission = None
 
 
 class _EngineCollector:
@@ -144,10 +183,20 @@ class _EngineCollector:
         self._metrics = metrics
 
     def collect(self):
+        name = self._metrics.model_name
+        admission = self._metrics._admission
+        if admission is not None:
+            for metric, doc, value in (
+                    ("server_requests_running", "Generation requests holding a place "
+                     "(--max-concurrent-requests)", admission.num_running),
+                    ("server_requests_queued", "Generation requests waiting for a place "
+                     "(--max-queue)", admission.num_waiting)):
+                g = GaugeMetricFamily(f"shoal:{metric}", doc, labels=["model_name"])
+                g.add_metric([name], value)
+                yield g
         stats = self._metrics._stats
         if stats is None:
             return
-        name = self._metrics.model_name
         per_rank = stats.get("per_rank") or [stats]
         labels = ["model_name", "owner"]
 
