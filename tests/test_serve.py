@@ -510,7 +510,7 @@ def test_abandoned_requests_are_cancelled(server):
             got += line.startswith("data: ")
             if got >= 4:
                 break
-        assert server.metrics()["shoal:num_requests_running"] == 2
+        _wait_metric(server, "shoal:num_requests_running", 2)
     # a non-streaming request whose client gives up
     with pytest.raises(httpx.ReadTimeout):
         server.post("/v1/completions", {**body, "stream": False, "n": 1},
@@ -630,19 +630,30 @@ def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2)
         assert _wait_idle(s)["shoal:iterations_total"] - steps >= 8
         # --access-log: one line per request
         assert s.wait_for_line('"POST /v1/completions HTTP/1.1" 200', READY_TIMEOUT)
-        # --shutdown-grace 1: a stream far from done is cut a second after SIGTERM
+        # --shutdown-grace 1: a stream and a plain request far from done end a second
+        # after SIGTERM, properly: an error event and [DONE]; a JSON 503. Meanwhile the
+        # port stays open: /health and new requests are 503
+        endless = {"prompt": "Count to ten thousand:", "max_tokens": 4000, "ignore_eos": True,
+                   "temperature": 0}
+        plain: list[httpx.Response] = []
         with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120, headers=s.headers,
-                          json={"prompt": "Count to ten thousand:", "max_tokens": 4000,
-                                "ignore_eos": True, "temperature": 0, "stream": True}) as r:
+                          json={**endless, "stream": True}) as r:
             lines = r.iter_lines()
             next(lines)
+            other = threading.Thread(target=lambda: plain.append(s.post("/v1/completions", endless)))
+            other.start()
+            _wait_metric(s, "shoal:server_requests_running", 2)
             s.terminate()
             start = time.monotonic()
-            with pytest.raises(httpx.RemoteProtocolError):  # the body never ends
-                _sse(lines)
+            health = httpx.get(f"{s.url}/health", timeout=10)
+            late = s.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+            events = _sse(lines)
             cut_after = time.monotonic() - start
-        assert s.wait_for_line("timeout graceful shutdown exceeded", READY_TIMEOUT)
-        assert cut_after < 15  # the default grace (30 s) would have let it run on
+        other.join(60)
+        assert health.status_code == 503 and late.status_code == 503, (health.text, late.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown"
+        assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutdown"
+        assert cut_after < 15  # the default grace (30 s) would have let them run on
     finally:
         assert s.stop() == 0
 

@@ -50,6 +50,8 @@ class Admission:
         self.num_running = 0
         self._waiters: deque[asyncio.Future] = deque()
         self._hold_s = 1.0  # moving mean of how long a place is held (for Retry-After)
+        self._idle = asyncio.Event()  # no place held, nobody waiting
+        self._idle.set()
 
     @property
     def num_waiting(self) -> int:
@@ -59,8 +61,7 @@ class Admission:
         """A place if one is free and nobody waits; None if the request must wait;
         QueueFull if the queue is full too."""
         if self.num_running < self.max_concurrent and not self.num_waiting:
-            self.num_running += 1
-            return Place(self)
+            return self._take()
         if self.num_waiting >= self.max_queue:
             raise QueueFull(
                 f"the server is at its limit ({self.max_concurrent} requests running, "
@@ -71,8 +72,7 @@ class Admission:
         """A place once one frees up (at once if one did since `take_now`). Cancelling
         the wait (the client left) leaves the queue, or hands on a place given meanwhile."""
         if self.num_running < self.max_concurrent and not self.num_waiting:
-            self.num_running += 1
-            return Place(self)
+            return self._take()
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -86,6 +86,22 @@ class Admission:
             raise
         return Place(self)  # the releaser's place, handed on (num_running unchanged)
 
+    async def wait_idle(self) -> None:
+        """Returns once no place is held and nobody waits."""
+        await self._idle.wait()
+
+    def fail_waiters(self, error: BaseException) -> None:
+        """Every request waiting for a place gets `error` instead (the server stops)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    def _take(self) -> Place:
+        self.num_running += 1
+        self._idle.clear()
+        return Place(self)
+
     def retry_after_s(self) -> int:
         waves = (self.num_waiting + 1) / self.max_concurrent
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(waves * self._hold_s)))
@@ -98,3 +114,5 @@ class Admission:
                 waiter.set_result(None)
                 return
         self.num_running -= 1
+        if not self.num_running:
+            self._idle.set()

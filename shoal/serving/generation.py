@@ -88,6 +88,8 @@ class Generation:
         try:
             while remaining:
                 index, token_ids, logprobs, when = await self.queue.get()
+                if index is ABORTED:
+                    raise token_ids  # the server stops: ApiError(503)
                 choice = self.choices[index]
                 if token_ids is None:
                     remaining -= 1
@@ -149,6 +151,9 @@ class Generation:
         return Delta(choice, choice.text.finish(), [], choice.finish_reason)
 
 
+ABORTED = object()  # a ChoiceQueue item's index: the response ends with the item's error
+
+
 class ChoiceQueue(asyncio.Queue):
     """One HTTP request's queue of (index, token_ids, logprobs, time) items, which also
     counts its choices' ends (token_ids None): `on_all_ended(n, callback)` calls back once
@@ -165,6 +170,10 @@ class ChoiceQueue(asyncio.Queue):
         if item[1] is None:
             self._num_ended += 1
             self._check_ended()
+
+    def abort(self, error: BaseException) -> None:
+        """The reader's `Generation.deltas()` raises `error` (and cancels the choices)."""
+        super().put_nowait((ABORTED, error, None, time.perf_counter()))
 
     def on_all_ended(self, num_choices: int, callback) -> None:
         self._expected, self._on_all_ended = num_choices, callback

@@ -13,8 +13,10 @@ past `--max-body-bytes` is answered 413 before it is parsed; past
 `--max-concurrent-requests` running and `--max-queue` waiting, a 429 (admission.py); a
 client that stalls mid-request is cut after `--read-timeout` (read_timeout.py).
 Once the port accepts requests, one line on stderr says so (`READY_MESSAGE`, the URL, the
-served name). SIGTERM/SIGINT: stop accepting, let running requests finish within the grace
-(then cancel them), `llm.shutdown()`, exit 0.
+served name). SIGTERM/SIGINT: new requests get 503 (/health too), running ones get the
+grace to finish; past it every stream ends with an error event and [DONE], every other
+response is a JSON 503 (`OpenAIServer.drain`); then the port closes, `llm.shutdown()`,
+exit 0.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
@@ -59,6 +62,7 @@ log = logging.getLogger(__name__)
 
 SUBMIT_THREADS = 64  # requests being tokenized and added at once
 METRICS_WAIT_S = 0.05  # /metrics waits this long for fresh engine stats, then uses the last
+ABORT_WAIT_S = 5.0  # past the shutdown grace: how long the cut responses may take to end
 # the line on stderr once listening: "shoal serve: ready on http://HOST:PORT (model NAME)"
 READY_MESSAGE = "shoal serve: ready on"
 
@@ -79,13 +83,13 @@ class OpenAIServer:
         self.created = int(time.time())
         self._submitter = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="shoal-submit")
         # engine stats for /metrics: never queued behind tokenizing requests
-        self._control = ThreadPoolExecutor(1, thread_name_prefix="shoal-stats")
+        self._control = ThreadPoolExecutor(4, thread_name_prefix="shoal-stats")
         self._stats: dict | None = None  # the last stats read
-        self._stats_future: asyncio.Future | None = None  # a read in flight
         self._tokenizer_lock = threading.Lock()  # HF tokenizers are not reentrant-safe
         llm.tokenizer.is_available  # noqa: B018 -- loaded now, not by concurrent requests
         self.is_stopping = False
         self._inbox: TokenInbox | None = None  # made on the loop's first request
+        self._queues: weakref.WeakSet[ChoiceQueue] = weakref.WeakSet()  # live requests'
 
     @property
     def engine_error(self) -> BaseException | None:
@@ -165,22 +169,43 @@ class OpenAIServer:
         """The metrics with the engine's stats as fresh as METRICS_WAIT_S allows: a read
         waits for the engine between two steps, and a long prefill step must not hold the
         answer (the last stats read are used meanwhile)."""
-        if self._stats_future is None:
-            loop = asyncio.get_running_loop()
-            self._stats_future = loop.run_in_executor(self._control, self.llm.stats)
-            self._stats_future.add_done_callback(self._stats_read)
-        await asyncio.wait({self._stats_future}, timeout=METRICS_WAIT_S)
-        return Response(self.metrics.render(self._stats, self.admission),
+        read = asyncio.get_running_loop().run_in_executor(self._control, self.llm.stats)
+        read.add_done_callback(self._stats_read)
+        await asyncio.wait({read}, timeout=METRICS_WAIT_S)
+        stats = self._stats if not read.done() else self._stats_of(read)
+        return Response(self.metrics.render(stats, self.admission),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def _stats_read(self, future: asyncio.Future) -> None:
-        self._stats_future = None
-        if future.cancelled() or future.exception() is not None:
+    def _stats_read(self, read: asyncio.Future) -> None:
+        self._stats = self._stats_of(read)
+
+    @staticmethod
+    def _stats_of(read: asyncio.Future) -> dict | None:
+        if read.cancelled() or read.exception() is not None:
             # the engine is gone: the server's own metrics still count
-            log.debug("stats: %s", None if future.cancelled() else future.exception())
-            self._stats = None
-        else:
-            self._stats = future.result()
+            log.debug("stats: %s", None if read.cancelled() else read.exception())
+            return None
+        return read.result()
+
+    async def drain(self, grace_s: float) -> None:
+        """(SIGTERM) New requests get 503 and /health says 503, while the port stays open;
+        running and waiting requests get `grace_s` seconds to finish. Then every stream
+        gets an error event and [DONE], every other response a JSON 503, waiters too, and
+        their choices are cancelled in the engine."""
+        self.is_stopping = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.admission.wait_idle(), grace_s)
+            return
+        error = ApiError(503, f"the server is shutting down: the request did not finish "
+                         f"within the shutdown grace ({grace_s:g} s)",
+                         type_="service_unavailable", code="server_shutdown")
+        log.warning("shutdown grace (%g s) over: ending %d request(s)", grace_s,
+                    self.admission.num_running + self.admission.num_waiting)
+        self.admission.fail_waiters(error)
+        for queue in list(self._queues):
+            queue.abort(error)
+        with contextlib.suppress(TimeoutError):  # their cancels take an engine step
+            await asyncio.wait_for(self.admission.wait_idle(), ABORT_WAIT_S)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -209,6 +234,7 @@ class OpenAIServer:
                      or body.max_tokens is not None)
         place = await self._admit(request)
         queue = ChoiceQueue()
+        self._queues.add(queue)
         future = loop.run_in_executor(
             self._submitter, self._submit_all, queue, rid, prompts, sampling, has_limit,
             body.n, stop, body.cache_salt, arrival)
@@ -500,12 +526,13 @@ def serve(llm: LLM, sock: socket.socket, served_model_name: str,
     running requests `shutdown_grace_sec` to finish (cancel the rest) and return. The
     caller shuts the LLM down. `api_key`: see build_app."""
     server = OpenAIServer(llm, served_model_name, limits)
+    # uvicorn's own grace only lets the responses `drain` ended finish writing
     config = uvicorn.Config(build_app(server, api_key), lifespan="off", http=ReadTimeoutProtocol,
                             log_level="info" if access_log else "warning",
-                            access_log=access_log, timeout_graceful_shutdown=shutdown_grace_sec)
+                            access_log=access_log, timeout_graceful_shutdown=ABORT_WAIT_S)
     config.shoal_read_timeout_s = limits.read_timeout_s
     try:
-        _Server(config, server).run(sockets=[sock])
+        _Server(config, server, shutdown_grace_sec).run(sockets=[sock])
     finally:
         server.close()
         sock.close()
@@ -516,9 +543,15 @@ class _Server(uvicorn.Server):
     the signal after its graceful shutdown, which would end the process by that signal
     before the engine is shut down, and with its exit status)."""
 
-    def __init__(self, config: uvicorn.Config, server: OpenAIServer):
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer, grace_s: float):
         super().__init__(config)
         self._openai = server
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if not self.force_exit:  # a second SIGINT skips the grace
+            await self._openai.drain(self._grace_s)
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
