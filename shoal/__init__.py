@@ -3,6 +3,7 @@
 from shoal.llm import LLM
 from shoal.request import RequestOutput
 from shoal.sampling import SamplingParams
+from shoal.structured_output import StructuredOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput"]
 __version__ = "0.1.0"

@@ -99,6 +99,9 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if text is not None else prompt
             new = NewRequest(ids, sp, rid, text, cache_salt)
             new.check_vocab(engine.info.vocab_size)
+            if sp is not None and sp.structured_output is not None and not self.tokenizer.is_available:
+                raise ValueError("SamplingParams.structured_output needs the model's tokenizer "
+                                 "(this checkpoint has none)")
             requests.append(new)
         return self._driver.submit(requests, streams)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.logits_processing import TokenCounts, add_at, apply_penalties, min_p_filter
+from shoal.structured_output import Grammars, StructuredOutput, allowed_tokens
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch.Generator takes
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
@@ -49,6 +50,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2]; minus this once a token is in the output
     # (token id, bias in [-100, 100]) added to the logits; a dict {id: bias} is taken too
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    # the output must match this (a JSON schema, a regex, a choice, a grammar); None: free
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -83,6 +86,10 @@ class SamplingParams:
             raise ValueError("SamplingParams.repetition_penalty must be > 0, got "
                              f"{self.repetition_penalty!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.structured_output is not None and not isinstance(self.structured_output,
+                                                                 StructuredOutput):
+            raise TypeError("SamplingParams.structured_output must be a StructuredOutput, got "
+                            f"{type(self.structured_output).__name__}")
 
     @property
     def has_penalties(self) -> bool:
@@ -185,7 +192,8 @@ class Sampler:
     copies them. `rows` are the requests (`shoal.request.Request`: request_id, sampling,
     stop_token_ids, prompt_token_ids), one per row, each sampled once per call."""
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: Grammars | None = None) -> None:
+        self.grammars = grammars  # None: structured output is not available (no tokenizer)
         self._draws: dict[str, tuple[int, int]] = {}  # rid -> (seed, draws so far)
         self._num_sampled: dict[str, int] = {}  # rid -> tokens sampled (min_tokens requests)
         self._counts: TokenCounts | None = None  # output tokens of penalised requests
@@ -197,6 +205,9 @@ class Sampler:
         """logits [N, vocab] float32 -> [N] int64 token ids on the logits' device."""
         params = [r.sampling for r in rows]
         logits, counted = self._shape(logits, rows)
+        structured = [i for i, sp in enumerate(params) if sp.structured_output is not None]
+        if structured:
+            logits = self._constrain(logits, rows, structured)
         tokens = logits.argmax(dim=-1)
         picked = [i for i, sp in enumerate(params) if not sp.is_greedy]
         if picked:
@@ -216,6 +227,9 @@ class Sampler:
         if counted is not None:  # the penalised rows' counts take their new tokens
             index, slab_rows = counted
             self._counts.add(slab_rows, tokens.index_select(0, index))
+        if structured:  # the matchers take their tokens (the only read back here)
+            self.grammars.advance([rows[i].request_id for i in structured],
+                                  tokens[torch.tensor(structured, device=tokens.device)].tolist())
         for r in rows:
             if r.sampling.min_tokens:
                 self._num_sampled[r.request_id] = self._num_sampled.get(r.request_id, 0) + 1
@@ -226,6 +240,25 @@ class Sampler:
         self._num_sampled.pop(request_id, None)
         if self._counts is not None:
             self._counts.forget(request_id)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
+
+    def _constrain(self, logits: torch.Tensor, rows, structured: list[int]) -> torch.Tensor:
+        """The structured rows' logits with every token their grammar forbids at -inf; a
+        row left with no token gets its first stop token (it ends; never a failure)."""
+        if self.grammars is None:
+            raise RuntimeError("structured output needs the model's tokenizer")
+        device, vocab = logits.device, logits.shape[1]
+        sub_rows = [rows[i] for i in structured]
+        allowed = allowed_tokens(self.grammars.bitmask(sub_rows).to(device, non_blocking=True),
+                                 vocab)
+        index = torch.tensor(structured, device=device)
+        sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        stop = torch.tensor([min(r.stop_token_ids, default=0) for r in sub_rows], device=device)
+        dead = torch.isinf(sub.max(dim=1).values)[:, None]
+        first_stop = torch.arange(vocab, device=device)[None, :] == stop[:, None]
+        sub = torch.where(dead & first_stop, 0.0, sub)
+        return logits.index_copy(0, index, sub)
 
     def _shape(self, logits: torch.Tensor, rows):
         """(logits with each row's own settings applied, (batch rows, slab rows) of the

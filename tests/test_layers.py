@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "shoal"
 
-RECORDS = ("shoal.config", "shoal.request", "shoal.sampling")
+RECORDS = ("shoal.config", "shoal.request", "shoal.sampling", "shoal.structured_output")
 CONTRACT = ("shoal.connectors.base", "shoal.connectors.registry", "shoal.connectors.watchdog")
 # package prefix -> what its modules may import of shoal (prefixes); None = no rule
 ALLOWED = {
@@ -27,8 +27,9 @@ ALLOWED = {
     "shoal.parallel": ("shoal.parallel", "shoal.engine", "shoal.kv", "shoal.model", *CONTRACT,
                        *RECORDS),
     "shoal.request": ("shoal.sampling",),
-    "shoal.sampling": ("shoal.logits_processing",),
+    "shoal.sampling": ("shoal.logits_processing", "shoal.structured_output"),
     "shoal.logits_processing": (),
+    "shoal.structured_output": (),
     "shoal.config": ("shoal.connectors.base",),
 }
 MODE_STRINGS = {"tp", "adp", "single"}

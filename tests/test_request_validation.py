@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from shoal import LLM, SamplingParams
+from shoal.structured_output import StructuredOutput
 from tests.conftest import random_prompts
 
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -28,6 +29,10 @@ BAD_GENERATE = [  # (prompts, kwargs, exception, what the message names)
     ([[1, 2, 3]], {"sampling": [SP, SP]}, ValueError, "sampling"),
     ([[1, 2, 3]], {"sampling": [object()]}, TypeError, "sampling"),
     ([[1, 2, 3], [1, 2, VOCAB + 7]], {}, ValueError, "vocabulary"),  # all or nothing
+    ([[1, 2, 3]], {"sampling": SamplingParams(logit_bias={VOCAB: 1.0})}, ValueError, "logit_bias"),
+    # the tiny checkpoints have no tokenizer: nothing to match a grammar against
+    ([[1, 2, 3]], {"sampling": SamplingParams(structured_output=StructuredOutput(regex="a+"))},
+     ValueError, "tokenizer"),
 ]
 
 BAD_SAMPLING = [

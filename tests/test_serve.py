@@ -383,12 +383,26 @@ def test_cached_tokens_on_a_repeated_long_prompt(server):
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"abc": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, "logit_bias"),
     # asked for, not built: refused, never ignored (issue 27 builds them)
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+    # structured output: malformed, invalid, or more than one constraint
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}},
      "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "[a-"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "start: nowhere"}, "guided_grammar"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a"},
+     "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {}}}]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"messages": CHAT, "guided_regex": "a+"}, "guided_regex"),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
 ])
@@ -445,6 +459,41 @@ def test_penalties_bias_and_min_p_equal_the_library(server, smollm2):
     want = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=3,
                                                      min_p=0.3))[0]
     assert r["choices"][0]["text"] == want.text
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+          "properties": {"city": {"type": "string", "maxLength": 40},
+                         "country": {"type": "string", "maxLength": 40}}}
+
+
+def test_structured_output_with_the_official_client(server):
+    """response_format json_schema / json_object through `openai`, streamed and not,
+    greedy and sampled: every answer parses and validates; vLLM's guided_choice,
+    guided_regex and structured_outputs hold too."""
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA,
+                                                  "strict": True}}
+    msgs = [{"role": "user", "content": "Name a large city and its country, as JSON."}]
+    r = server.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
+                                              temperature=0.8, seed=3, n=4, response_format=fmt)
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=80, temperature=0, stream=True,
+        response_format={"type": "json_object"})
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert isinstance(json.loads(text), dict)
+    extra = {"guided_choice": ["red", "green", "blue"]}
+    r = server.client.completions.create(model=MODEL, prompt="My favourite colour is",
+                                         max_tokens=10, temperature=1.0, seed=1, n=3,
+                                         extra_body=extra)
+    assert all(c.text in extra["guided_choice"] for c in r.choices)
+    for extra, pattern in (({"guided_regex": "[0-9]{3}-[0-9]{4}"}, "[0-9]{3}-[0-9]{4}"),
+                           ({"structured_outputs": {"regex": "(yes|no)!"}}, "(yes|no)!")):
+        r = server.client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20,
+                                             temperature=0, extra_body=extra)
+        assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):

@@ -29,6 +29,7 @@ from shoal.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.engine.connector_calls import keep_alive
 from shoal.engine.transfers import TransferReport
 from shoal.model.tokenizer import Tokenizer
+from shoal.structured_output import Grammars
 from shoal.request import NewRequest, Request, RequestOutput, RequestStatus, StepResult
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device,
                                   self.info.max_model_len, config.max_batch_size,
                                   config.enforce_eager)
+        # structured output reads the vocabulary's text (the tokenizer loads at first use)
+        self.runner.sampler.grammars = Grammars(lambda: self.tokenizer.hf, self.info.vocab_size,
+                                                self.eos_token_ids)
         if self.transfers is not None and self.transfers.partial_loads:
             self._measure_prefill()
         self.overlap = config.overlap_scheduler
@@ -149,6 +153,13 @@ class Engine:
         new.check_vocab(self.info.vocab_size)
         sampling = new.sampling
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_token_ids)
+        if sampling.structured_output is not None:
+            if not self.tokenizer.is_available:
+                raise ValueError("SamplingParams.structured_output needs the model's tokenizer "
+                                 "(this checkpoint has none)")
+            if not stop:
+                raise ValueError("SamplingParams.structured_output needs a stop token to end "
+                                 "with: the model's eos (ignore_eos=False) or stop_token_ids")
         req = Request(rid, list(new.prompt_token_ids), sampling, frozenset(stop),
                       cache_salt=new.cache_salt, prompt=new.prompt)
         try:

@@ -66,6 +66,11 @@ class Tokenizer:
                     log.warning("could not cache the converted tokenizer in %s: %s", converted, e)
             return tok
 
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer itself (ValueError if the model has none)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True)
 

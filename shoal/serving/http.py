@@ -109,7 +109,7 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        sampling = body.sampling()
+        sampling = await self._sampling_of(body)
         conversation = body.conversation()
         rid, gen = await self._start([conversation], sampling, body, "chatcmpl", request)
         fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs)
@@ -117,7 +117,7 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        sampling = body.sampling()
+        sampling = await self._sampling_of(body)
         rid, gen = await self._start(body.prompts(), sampling, body, "cmpl", request)
         fmt = CompletionFormat(self.model_name, self.llm.tokenizer, rid,
                                body.logprobs is not None)
@@ -208,6 +208,13 @@ class OpenAIServer:
             await asyncio.wait_for(self.admission.wait_idle(), ABORT_WAIT_S)
 
     # -- requests --------------------------------------------------------------------------
+
+    async def _sampling_of(self, body) -> SamplingParams:
+        """The body's sampling; with structured output on a worker thread (checking a
+        grammar can take a while: never on the loop)."""
+        if not body.asks_structured_output:
+            return body.sampling()
+        return await asyncio.get_running_loop().run_in_executor(self._submitter, body.sampling)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -7,12 +7,14 @@ cannot read, or one `SamplingParams` refuses, becomes a 400 `ApiError` naming th
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, StrictInt, field_validator
 
 from shoal.sampling import MAX_LOGPROBS, SamplingParams
+from shoal.structured_output import StructuredOutput
 
 MAX_N = 128  # choices per request
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -102,18 +104,19 @@ class _GenerationBody(_Body):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict | None = None
+    guided_json: object = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
     # accepted by OpenAI or vLLM, not built here: a value that asks for them is a 400
     # naming the field (never ignored); their neutral values pass (clients send those)
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    guided_json: object = None
-    guided_regex: str | None = None
-    guided_choice: list | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict | None = None
     prompt_logprobs: int | None = None
 
     @property
@@ -131,24 +134,80 @@ class _GenerationBody(_Body):
 
     def _refuse_unsupported(self) -> None:
         """400 naming the first field that asks for what this server does not do yet."""
-        rf = self.response_format
         asked = {
-            "response_format": rf is not None and rf.get("type", "text") != "text",
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
-            "guided_json": self.guided_json is not None,
-            "guided_regex": self.guided_regex is not None,
-            "guided_choice": self.guided_choice is not None,
-            "guided_grammar": self.guided_grammar is not None,
-            "structured_outputs": self.structured_outputs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
         }
         for name, is_asked in asked.items():
             if is_asked:
                 raise bad_request(f"{name} is not supported by this server yet (the request "
                                   "was not run; leave the field out)", name)
+
+    @property
+    def asks_structured_output(self) -> bool:
+        rf = self.response_format
+        return ((rf is not None and rf.get("type", "text") != "text") or any(
+            getattr(self, name) is not None for name in (
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs")))
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match, from whichever field asked (at most one may); 400
+        naming the field for a malformed or invalid one."""
+        asked = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format.json_schema.schema must be a JSON schema "
+                                      "object", "response_format")
+                asked.append(("response_format", {"json_schema": schema}))
+            elif kind != "text":
+                raise bad_request(f"response_format.type must be text, json_object or "
+                                  f"json_schema, got {kind!r:.40}", "response_format")
+        for name, key in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            keys = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar", "json_object": "json_object"}
+            given = {keys[k]: v for k, v in self.structured_outputs.items() if k in keys
+                     and v is not None}
+            unknown = set(self.structured_outputs) - set(keys)
+            if unknown or len(given) != 1:
+                raise bad_request("structured_outputs takes exactly one of json, regex, choice, "
+                                  "grammar, json_object", "structured_outputs")
+            asked.append(("structured_outputs", given))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise bad_request(f"{asked[1][0]}: give one structured output constraint, not "
+                              f"{asked[0][0]} and {asked[1][0]}", asked[1][0])
+        name, fields = asked[0]
+        if isinstance(fields.get("json_schema"), str):  # vLLM takes a schema's JSON text too
+            try:
+                fields = {"json_schema": json.loads(fields["json_schema"])}
+            except ValueError:
+                raise bad_request(f"{name} must be a JSON schema", name) from None
+        if "json_schema" in fields and not isinstance(fields["json_schema"], dict):
+            raise bad_request(f"{name} must be a JSON schema object", name)
+        if self.ignore_eos and not self.stop_token_ids:
+            raise bad_request("ignore_eos cannot be used with structured output: it ends at "
+                              "the model's end-of-sequence token", "ignore_eos")
+        try:
+            return StructuredOutput(**fields)
+        except (TypeError, ValueError) as e:
+            message = str(e).split(" is not valid: ", 1)[-1]
+            raise bad_request(f"{name} is not a valid constraint: {message}", name) from None
 
     def _logit_bias(self) -> dict[int, float]:
         """logit_bias with its keys (token ids as JSON strings) read as ints."""
@@ -177,7 +236,7 @@ class _GenerationBody(_Body):
                 ignore_eos=self.ignore_eos, logprobs=num_logprobs, min_tokens=self.min_tokens,
                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                logit_bias=self._logit_bias())
+                logit_bias=self._logit_bias(), structured_output=self.structured_output())
         except (TypeError, ValueError) as e:
             raise bad_request(str(e), field_of(str(e))) from e
 

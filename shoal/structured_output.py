@@ -1,0 +1,147 @@
+"""Structured output: a request's text must match a JSON schema, any JSON object, a regex,
+one of a list of strings, or a grammar (Lark; GBNF is converted). Built on llguidance
+(chosen over xgrammar and outlines-core by measurement, docs/serving.md): one matcher per
+request follows its tokens; before each sample it fills the request's row of a token
+bitmask (a bit per vocabulary entry) on the host, and the sampler applies the bitmask to
+the logits on their device. The mask is computed from tokens the host already has, so it
+adds no device sync of its own; the matcher takes each sampled token once it is read.
+
+A grammar never makes a request fail: when no token is allowed (a dead end, or the grammar
+is complete and the end-of-sequence token is the only way on), the request's first stop
+token is drawn, which ends it ("stop").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_MASK_THREADS = 8  # the executor that fills many requests' masks at once
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: exactly one of the fields. `json_schema`: a schema (a
+    dict, or its JSON text); `json_object`: any JSON object; `regex`; `choice`: exactly one
+    of the strings; `grammar`: a Lark grammar (llguidance's dialect) or GBNF (converted)."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not all(
+                    isinstance(c, str) for c in self.choice) or not self.choice:
+                raise ValueError("StructuredOutput.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"StructuredOutput.{name} must be a str, got {type(value).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"StructuredOutput.json_object must be a bool, got {self.json_object!r}")
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutput takes exactly one of json_schema, json_object, "
+                             f"regex, choice, grammar (got {', '.join(given) or 'none'})")
+        error = _llguidance().LLMatcher.validate_grammar(self.grammar_text())
+        if error:
+            raise ValueError(f"StructuredOutput.{given[0]} is not valid: {error.strip()}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (ValueError for JSON that is not a schema object)."""
+        llg = _llguidance()
+        if self.json_schema is not None or self.json_object:
+            schema = self.json_schema if self.json_schema is not None else '{"type": "object"}'
+            try:
+                return llg.LLMatcher.grammar_from_json_schema(schema)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutput.json_schema is not a JSON object: {e}") from None
+        if self.regex is not None:
+            return llg.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:  # JSON string literals are Lark string literals
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(
+                json.dumps(c, ensure_ascii=False) for c in self.choice))
+        from llguidance.gbnf_to_lark import any_to_lark
+        return llg.LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # a dependency of shoal: only a broken install lacks it
+        raise ValueError(f"structured output needs the llguidance package ({e})") from None
+    return llguidance
+
+
+class Grammars:
+    """The matchers of the requests that asked for structured output, on one engine (each
+    TP rank runs its own and they agree: the same tokens in the same order). `tokenizer`:
+    a callable returning the model's Hugging Face tokenizer (called at the first use)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer = None
+        self._executor = None
+        self._matchers: dict[str, object] = {}
+        self.num_words = (vocab_size + 31) // 32
+
+    def _matcher(self, request_id: str, spec: StructuredOutput):
+        m = self._matchers.get(request_id)
+        if m is None:
+            llg = _llguidance()
+            if self._tokenizer is None:
+                import llguidance.hf
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer(), n_vocab=self.vocab_size,
+                    eos_token=self._eos[0] if self._eos else None)
+                self._executor = llg.LLExecutor(min(MAX_MASK_THREADS, os.cpu_count() or 1))
+            m = self._matchers[request_id] = llg.LLMatcher(self._tokenizer, spec.grammar_text(),
+                                                           log_level=0)
+        return m
+
+    def bitmask(self, rows) -> torch.Tensor:
+        """[len(rows), num_words] int32 on the host: bit t of a row set where token t may
+        come next for that request (`rows`: requests with `sampling.structured_output`)."""
+        mask = torch.zeros(len(rows), self.num_words, dtype=torch.int32,
+                           pin_memory=torch.cuda.is_available())
+        matchers = [(self._matcher(r.request_id, r.sampling.structured_output), i)
+                    for i, r in enumerate(rows)]
+        self._executor.unsafe_compute_mask_ptr(matchers, mask.data_ptr(), self.num_words * 4,
+                                               len(rows))
+        return mask
+
+    def advance(self, request_ids: list[str], tokens: list[int]) -> None:
+        """Each request's matcher takes its sampled token."""
+        for rid, token in zip(request_ids, tokens):
+            m = self._matchers.get(rid)
+            if m is not None and not m.is_stopped() and not m.consume_token(token):
+                log.warning("structured output of %s: token %d refused (%s); it ends at its "
+                            "next token", rid, token, m.get_error())
+
+    def forget(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, vocab] bool from an [R, words] int32 bitmask (on the bitmask's device)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]

@@ -1,0 +1,105 @@
+"""Structured output on the real SmolLM2: every output matches its constraint (checked by
+independent validators: jsonschema, re), greedy and sampled, in both loops; requests
+without a constraint are unchanged beside it; a constraint never makes a request fail."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from shoal import LLM, SamplingParams, StructuredOutput
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "required": ["name", "age", "languages"],
+          "properties": {"name": {"type": "string", "maxLength": 30},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "languages": {"type": "array", "items": {"enum": ["en", "fr", "de"]},
+                                       "maxItems": 3}}}
+ASK = [{"role": "user", "content": "Describe a famous French writer as JSON."}]
+
+
+def chat(llm, sp: SamplingParams, n: int = 1, seed0: int = 0):
+    sps = [sp if sp.is_greedy else SamplingParams(**{**_fields(sp), "seed": seed0 + i})
+           for i in range(n)]
+    return llm.chat([ASK] * n, sps)
+
+
+def _fields(sp: SamplingParams) -> dict:
+    return {k: getattr(sp, k) for k in sp.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_validate(smollm2, temperature):
+    sp = SamplingParams(max_tokens=120, temperature=temperature,
+                        structured_output=StructuredOutput(json_schema=PERSON))
+    outs = chat(smollm2, sp, n=1 if temperature == 0 else 6)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+    if temperature:
+        assert len({o.text for o in outs}) > 1  # sampled: they do differ
+
+
+@pytest.mark.parametrize("spec, check", [
+    (StructuredOutput(regex=r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]"),
+     lambda t: re.fullmatch(r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]", t)),
+    (StructuredOutput(choice=("Paris", "Lyon", "Nice \"the bay\"")),
+     lambda t: t in ("Paris", "Lyon", 'Nice "the bay"')),
+    (StructuredOutput(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+    (StructuredOutput(grammar='start: "The answer is " NUMBER "."\nNUMBER: /[0-9]+/'),
+     lambda t: re.fullmatch(r"The answer is [0-9]+\.", t)),
+    (StructuredOutput(grammar='root ::= "yes" | "no"'), lambda t: t in ("yes", "no")),  # GBNF
+])
+def test_each_kind_of_constraint_holds_when_sampling(smollm2, spec, check):
+    sp = SamplingParams(max_tokens=200, temperature=0.7, structured_output=spec)
+    for out in chat(smollm2, sp, n=4, seed0=11):
+        assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+def test_free_requests_beside_constrained_ones_are_unchanged(smollm2):
+    free = SamplingParams(max_tokens=24)
+    alone = smollm2.chat([ASK], free)[0]
+    mixed = smollm2.chat([ASK, ASK], [SamplingParams(max_tokens=24, structured_output=
+                                                     StructuredOutput(regex="[a-z ]+")), free])
+    assert mixed[1].token_ids == alone.token_ids
+    assert re.fullmatch("[a-z ]+", mixed[0].text)
+
+
+def test_the_overlap_loop_gives_the_same_constrained_tokens(smollm2_path, smollm2):
+    sps = [SamplingParams(max_tokens=60, structured_output=StructuredOutput(json_schema=PERSON)),
+           SamplingParams(max_tokens=60, temperature=0.8, seed=5,
+                          structured_output=StructuredOutput(regex="[A-Z][a-z]+( [a-z]+)*\\."))]
+    plain = smollm2.chat([ASK, ASK], sps)
+    with LLM(smollm2_path, num_kv_blocks=256, overlap_scheduler=True) as overlapped:
+        assert [o.token_ids for o in overlapped.chat([ASK, ASK], sps)] == \
+            [o.token_ids for o in plain]
+
+
+def test_a_constraint_never_fails_a_request(smollm2):
+    """Too few tokens: "length", as any request. A grammar that is done: the end-of-sequence
+    token is all it allows, and the request stops there."""
+    short = smollm2.chat([ASK], SamplingParams(max_tokens=5, structured_output=StructuredOutput(
+        json_schema=PERSON)))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 5
+    done = smollm2.chat([ASK], SamplingParams(max_tokens=30, structured_output=StructuredOutput(
+        choice=("ok",))))[0]
+    assert done.text == "ok" and done.finish_reason == "stop"
+    assert done.token_ids[-1] in smollm2.engine.eos_token_ids
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(), "exactly one"),
+    (dict(regex="a", choice=("b",)), "exactly one"),
+    (dict(regex="[a-"), "regex is not valid"),
+    (dict(json_schema={"type": "nonsense"}), "json_schema is not valid"),
+    (dict(json_schema="not json"), "json_schema"),
+    (dict(grammar="start: undefined_rule"), "grammar is not valid"),
+    (dict(choice=()), "choice"),
+    (dict(choice="ab"), "choice"),
+])
+def test_invalid_constraints_name_the_field(fields, needle):
+    with pytest.raises((TypeError, ValueError), match=needle):
+        StructuredOutput(**fields)
