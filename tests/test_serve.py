@@ -401,8 +401,12 @@ def test_cached_tokens_on_a_repeated_long_prompt(server):
      "structured_outputs"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {}}}]}, "tools"),
+        "name": "bad name", "parameters": {}}}]}, "tools.0.function.name"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tools"),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
 ])
@@ -494,6 +498,59 @@ def test_structured_output_with_the_official_client(server):
         r = server.client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20,
                                              temperature=0, extra_body=extra)
         assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 30},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+    "required": ["timezone"], "additionalProperties": False}}}
+
+
+def test_tool_calls_with_the_official_client(server):
+    """tool_choice named and "required" force calls (SmolLM2 was never taught tools: the
+    grammar makes it call): parsed tool_calls whose arguments match their schema,
+    finish_reason "tool_calls", the same calls streamed; the call and its result go back
+    into the conversation."""
+    import jsonschema
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = server.client.chat.completions.create(model=MODEL, messages=msgs, tools=tools,
+                                              tool_choice=named, max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER_TOOL["function"]["parameters"])
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools, tool_choice=named, max_tokens=60,
+        temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == \
+        [("get_weather", args)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    r = server.client.chat.completions.create(model=MODEL, messages=msgs, tools=tools,
+                                              tool_choice="required", max_tokens=200,
+                                              temperature=0.7, seed=2)
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0]
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments),
+                            {t["function"]["name"]: t for t in tools}[c.function.name][
+                                "function"]["parameters"])
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    r = server.client.chat.completions.create(model=MODEL, messages=follow, tools=tools,
+                                              max_tokens=30, temperature=0)
+    assert r.choices[0].message.content and r.usage.prompt_tokens > 100
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):

@@ -77,9 +77,12 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation followed by the assistant's generation prompt."""
-        out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
+        """Token ids of a conversation followed by the assistant's generation prompt
+        (`tools`: OpenAI-shaped function specs, for templates that render them)."""
+        out = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                            tokenize=True)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)

@@ -57,6 +57,7 @@ from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, Comp
                                            field_of, for_prompt, validation_error)
 from shoal.serving.read_timeout import ReadTimeoutProtocol
 from shoal.serving.responses import ChatFormat, CompletionFormat, ResponseFormat
+from shoal.serving.tools import ChatPrompt, ToolUse
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class OpenAIServer:
         self._control = ThreadPoolExecutor(4, thread_name_prefix="shoal-stats")
         self._stats: dict | None = None  # the last stats read
         self._tokenizer_lock = threading.Lock()  # HF tokenizers are not reentrant-safe
-        llm.tokenizer.is_available  # noqa: B018 -- loaded now, not by concurrent requests
+        # loaded now, not by concurrent requests; the template tells the tool call format
+        self._chat_template = (getattr(llm.tokenizer.hf, "chat_template", None)
+                               if llm.tokenizer.is_available else None)
         self.is_stopping = False
         self._inbox: TokenInbox | None = None  # made on the loop's first request
         self._queues: weakref.WeakSet[ChoiceQueue] = weakref.WeakSet()  # live requests'
@@ -109,15 +112,19 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        sampling = await self._sampling_of(body)
+        tools = ToolUse.from_request(body.tools, body.tool_choice, self._chat_template)
+        forced = tools is not None and tools.mode != "auto"
+        sampling = await self._sampling_of(
+            body, lambda: body.sampling(tools.constraint() if forced else None), forced)
         conversation = body.conversation()
-        rid, gen = await self._start([conversation], sampling, body, "chatcmpl", request)
-        fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs)
+        prompt = tools.render(conversation) if tools else ChatPrompt(conversation)
+        rid, gen = await self._start([prompt], sampling, body, "chatcmpl", request)
+        fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs, tools)
         return await self._respond(gen, fmt, body.stream, body.include_usage, request)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        sampling = await self._sampling_of(body)
+        sampling = await self._sampling_of(body, body.sampling)
         rid, gen = await self._start(body.prompts(), sampling, body, "cmpl", request)
         fmt = CompletionFormat(self.model_name, self.llm.tokenizer, rid,
                                body.logprobs is not None)
@@ -128,6 +135,8 @@ class OpenAIServer:
         budget with. Tokenized on a worker thread, as requests are."""
         self._check_model(body.model)
         prompt = body.text_or_conversation()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = ChatPrompt(prompt)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._submitter, self._prompt_ids, prompt)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
@@ -209,12 +218,12 @@ class OpenAIServer:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def _sampling_of(self, body) -> SamplingParams:
-        """The body's sampling; with structured output on a worker thread (checking a
-        grammar can take a while: never on the loop)."""
-        if not body.asks_structured_output:
-            return body.sampling()
-        return await asyncio.get_running_loop().run_in_executor(self._submitter, body.sampling)
+    async def _sampling_of(self, body, make, has_grammar: bool = False) -> SamplingParams:
+        """`make()`: the body's sampling; with structured output (or a forced tool call) on
+        a worker thread (checking a grammar can take a while: never on the loop)."""
+        if not (has_grammar or body.asks_structured_output):
+            return make()
+        return await asyncio.get_running_loop().run_in_executor(self._submitter, make)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -306,12 +315,11 @@ class OpenAIServer:
 
     def _prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or a conversation (chat template)."""
-        param = "messages" if isinstance(prompt, list) and prompt and isinstance(
-            prompt[0], dict) else "prompt"
+        param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
         try:
             with self._tokenizer_lock:
                 if param == "messages":
-                    ids = self.llm.tokenizer.apply_chat_template(prompt)
+                    ids = self.llm.tokenizer.apply_chat_template(prompt.messages, prompt.tools)
                 elif isinstance(prompt, str):
                     ids = self.llm.tokenizer.encode(prompt)
                 else:
@@ -363,7 +371,9 @@ class OpenAIServer:
                     yield _sse(first)
             async with contextlib.aclosing(gen.deltas()) as deltas:
                 async for d in deltas:
-                    yield _sse(fmt.chunk(d))
+                    chunk = fmt.chunk(d)
+                    if chunk is not None:
+                        yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage_chunk(gen.usage()))
         except ApiError as e:

@@ -78,6 +78,9 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
 
 class _GenerationBody(_Body):
@@ -111,10 +114,11 @@ class _GenerationBody(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
-    # accepted by OpenAI or vLLM, not built here: a value that asks for them is a 400
-    # naming the field (never ignored); their neutral values pass (clients send those)
+    # tool calling (chat only: serving/tools.py)
     tools: list | None = None
     tool_choice: str | dict | None = None
+    # accepted by OpenAI or vLLM, not built here: a value that asks for them is a 400
+    # naming the field (never ignored); their neutral values pass (clients send those)
     functions: list | None = None
     function_call: str | dict | None = None
     prompt_logprobs: int | None = None
@@ -135,8 +139,6 @@ class _GenerationBody(_Body):
     def _refuse_unsupported(self) -> None:
         """400 naming the first field that asks for what this server does not do yet."""
         asked = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
             "prompt_logprobs": self.prompt_logprobs is not None,
@@ -220,11 +222,18 @@ class _GenerationBody(_Body):
                                   "logit_bias") from None
         return out
 
-    def _sampling(self, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, num_logprobs: int | None,
+                  forced: StructuredOutput | None = None) -> SamplingParams:
         """The choices' sampling (choice i of a seeded request gets seed + i); 400 naming
         the field that SamplingParams refuses, or that asks for an unsupported feature.
-        max_tokens None: set per prompt later."""
+        max_tokens None: set per prompt later. `forced`: the grammar of a forced tool call."""
         self._refuse_unsupported()
+        structured = self.structured_output()
+        if forced is not None:
+            if structured is not None:
+                raise bad_request("tool_choice: a forced tool call cannot be combined with "
+                                  "another structured output constraint", "tool_choice")
+            structured = forced
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be an integer in [1, {MAX_N}], got {self.n}", "n")
         try:
@@ -236,7 +245,7 @@ class _GenerationBody(_Body):
                 ignore_eos=self.ignore_eos, logprobs=num_logprobs, min_tokens=self.min_tokens,
                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                logit_bias=self._logit_bias(), structured_output=self.structured_output())
+                logit_bias=self._logit_bias(), structured_output=structured)
         except (TypeError, ValueError) as e:
             raise bad_request(str(e), field_of(str(e))) from e
 
@@ -259,10 +268,15 @@ class ChatCompletionRequest(_GenerationBody):
                     raise bad_request("only text content parts are supported",
                                       f"messages.{i}.content")
                 content = "".join(p.text for p in content)
-            out.append({"role": m.role, "content": content or ""})
+            message = {"role": m.role, "content": content or ""}
+            for name in ("tool_calls", "tool_call_id", "name"):
+                if getattr(m, name) is not None:
+                    message[name] = getattr(m, name)
+            out.append(message)
         return out
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, forced: StructuredOutput | None = None) -> SamplingParams:
+        """`forced`: the grammar of a forced tool call (tool_choice required or named)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         top = self.top_logprobs or 0
@@ -273,7 +287,7 @@ class ChatCompletionRequest(_GenerationBody):
             else self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         _check_max_tokens(limit, param)
-        return self._sampling(limit, top if self.logprobs else None)
+        return self._sampling(limit, top if self.logprobs else None, forced)
 
 
 class CompletionRequest(_GenerationBody):
@@ -292,6 +306,9 @@ class CompletionRequest(_GenerationBody):
             raise bad_request("prompt must not be empty", "prompt")
         if self.echo:
             raise bad_request("echo is not supported", "echo")
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            name = "tools" if self.tools else "tool_choice"
+            raise bad_request(f"{name} is only taken by /v1/chat/completions", name)
         if self.suffix:
             raise bad_request("suffix is not supported by this server yet", "suffix")
         if self.best_of is not None and self.best_of != self.n:

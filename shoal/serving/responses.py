@@ -9,6 +9,7 @@ import time
 
 from shoal.model.tokenizer import Tokenizer
 from shoal.serving.generation import Choice, Delta
+from shoal.serving.tools import ToolStream, ToolUse
 
 
 class ResponseFormat:
@@ -36,7 +37,16 @@ class ResponseFormat:
 
 
 class ChatFormat(ResponseFormat):
+    """`tools` (a request with tools it may call): calls found in the text become
+    `tool_calls` (finish_reason "tool_calls"); streamed, they come in the last delta."""
+
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer, rid: str, logprobs: bool,
+                 tools: ToolUse | None = None):
+        super().__init__(model_name, tokenizer, rid, logprobs)
+        self.tools = tools
+        self._streams: dict[int, ToolStream] = {}
 
     def _logprobs(self, entries) -> dict | None:
         if not self.want_logprobs:
@@ -49,22 +59,48 @@ class ChatFormat(ResponseFormat):
                             for t, lp in entries]}
 
     def response(self, results: list[tuple[Choice, str]], usage) -> dict:
-        return self._envelope("chat.completion", choices=[{
-            "index": c.index, "message": {"role": "assistant", "content": text},
-            "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
-            for c, text in results], usage=usage.body(), system_fingerprint=None)
+        choices = []
+        for c, text in results:
+            message = {"role": "assistant", "content": text}
+            calls = []
+            if self.tools is not None:
+                message["content"], calls = self.tools.parse(text)
+                if calls:
+                    message["tool_calls"] = calls
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c.logprobs),
+                            "finish_reason": _finish(c.finish_reason, calls)})
+        return self._envelope("chat.completion", choices=choices, usage=usage.body(),
+                              system_fingerprint=None)
 
     def first_chunk(self, choice: Choice) -> dict:
         return self._envelope(self.chunk_object, choices=[{
             "index": choice.index, "delta": {"role": "assistant", "content": ""},
             "logprobs": None, "finish_reason": None}])
 
-    def chunk(self, d: Delta) -> dict:
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+    def chunk(self, d: Delta) -> dict | None:
+        """The chunk of a delta (None: nothing to send yet)."""
+        text, calls = d.text, []
+        if self.tools is not None:
+            stream = self._streams.setdefault(d.choice.index, self.tools.stream())
+            text = stream.feed(text)
+            if d.finish_reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+        if self.tools is not None and not text and d.finish_reason is None and not d.logprobs:
+            return None  # held back: a call may be starting
+        delta = {"content": text} if text or d.finish_reason is None else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         return self._envelope(self.chunk_object, choices=[{
             "index": d.choice.index, "delta": delta,
             "logprobs": self._logprobs(d.logprobs) if d.logprobs else None,
-            "finish_reason": d.finish_reason}])
+            "finish_reason": _finish(d.finish_reason, calls)}])
+
+
+def _finish(reason: str | None, calls: list) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when an answer that ended by itself called."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 class CompletionFormat(ResponseFormat):
