@@ -178,6 +178,8 @@ class RequestOutput:
     num_connector_tokens: int  # loaded from the pool through the connector
     logprobs: list | None = None  # one sampling.TokenLogprobs per token, if the request asked
     pool_hit: PoolHit | None = None  # how its pool hit was served (None: no pool hit)
+    # if asked (sampling.prompt_logprobs): per prompt token its TokenLogprobs (None first)
+    prompt_logprobs: list | None = None
 
     @classmethod
     def from_request(cls, req: Request, text: str = "") -> RequestOutput:

@@ -50,6 +50,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2]; minus this once a token is in the output
     # (token id, bias in [-100, 100]) added to the logits; a dict {id: bias} is taken too
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    # None: off; k: each prompt token's logprob (the first has none) and the top k (<= 20);
+    # the prompt is then computed whole (no prefix cache or pool hit serves it)
+    prompt_logprobs: int | None = None
     # the output must match this (a JSON schema, a regex, a choice, a grammar); None: free
     structured_output: StructuredOutput | None = None
 
@@ -75,6 +78,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for name, low, high in (("min_p", 0.0, 1.0), ("frequency_penalty", -2.0, 2.0),
                                 ("presence_penalty", -2.0, 2.0)):
             _check_real(name, getattr(self, name))
@@ -130,6 +135,7 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; k entries
+    rank: int = 0  # 1 + how many tokens are more likely (0: not computed)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
@@ -144,13 +150,16 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
     index = torch.tensor(rows, device=logits.device)
     logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, vocab]
     sampled = torch.tensor([token_ids[i] for i in rows], device=logits.device)
-    chosen = logp.gather(1, sampled[:, None])[:, 0].tolist()
+    chosen_t = logp.gather(1, sampled[:, None])
+    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     k = max(num_top[i] for i in rows)
     top_values, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         n = num_top[i]
-        out[i] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])))
+        out[i] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])),
+                               ranks[j])
     return out
 
 

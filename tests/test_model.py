@@ -108,3 +108,29 @@ def test_penalties_bias_and_min_tokens_match_transformers(tiny_model, overlap, m
     assert [o.token_ids for o in outs] == expected
     assert all(e != p for e, p in zip(expected[:4], plain[:4]))  # each setting changed it
     assert expected[4] == plain[4] and stop not in expected[3][:8]
+
+
+@pytest.mark.parametrize("max_num_tokens", [2048, 7])
+def test_prompt_logprobs_match_transformers(tiny_model, max_num_tokens):
+    """Each prompt token's logprob (and rank, and the top k) under transformers' forward of
+    the prompt; computed whole even when the prefix cache holds the prompt, and in chunks."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt = random_prompts(512, [37], seed=6)[0]
+    with torch.inference_mode():
+        logp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
+    with LLM(tiny_model, block_size=4, max_num_tokens=max_num_tokens, num_kv_blocks=64) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=2))  # the prompt is in the cache now
+        out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=3))[0]
+        plain = llm.generate([prompt], SamplingParams(max_tokens=2))[0]
+        llm.check_integrity()
+    assert out.num_local_prefix_tokens == 0 and plain.num_local_prefix_tokens > 0
+    assert out.token_ids == plain.token_ids and plain.prompt_logprobs is None
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    for p in range(1, len(prompt)):
+        row = logp[p - 1]
+        assert abs(lps[p].logprob - row[prompt[p]].item()) < 1e-4
+        assert lps[p].rank == int((row > row[prompt[p]]).sum()) + 1
+        assert [t for t, _ in lps[p].top] == row.topk(3).indices.tolist()

@@ -407,6 +407,9 @@ def test_cached_tokens_on_a_repeated_long_prompt(server):
         "name": "f"}}], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
     ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {
         "name": "f"}}]}, "tools"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
 ])
@@ -551,6 +554,41 @@ def test_tool_calls_with_the_official_client(server):
     r = server.client.chat.completions.create(model=MODEL, messages=follow, tools=tools,
                                               max_tokens=30, temperature=0)
     assert r.choices[0].message.content and r.usage.prompt_tokens > 100
+
+
+def test_echo_and_prompt_logprobs_score_a_text(server, smollm2):
+    """Scoring as lm-eval does it (echo, logprobs, max_tokens 1): the prompt comes back
+    with its tokens' logprobs (the first has none), then the answer's; vLLM's
+    prompt_logprobs give the same numbers; streamed echo starts with the prompt."""
+    text = "The capital of France is Paris"
+    ids = smollm2.tokenizer.encode(text)
+    ref = smollm2.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=2,
+                                                  logprobs=2))[0]
+    r = server.post("/v1/completions", {"prompt": text, "max_tokens": 1, "temperature": 0,
+                                        "echo": True, "logprobs": 2}).json()["choices"][0]
+    assert r["text"] == text + ref.text
+    lp = r["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    want = [x.logprob for x in ref.prompt_logprobs[1:]] + [ref.logprobs[0].logprob]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    r = server.post("/v1/completions", {"prompt": text, "max_tokens": 1, "temperature": 0,
+                                        "prompt_logprobs": 2}).json()["choices"][0]
+    assert r["text"] == ref.text and r["prompt_logprobs"][0] is None
+    for token_id, entry, lp_ in zip(ids[1:], r["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
+        mine = entry[str(token_id)]
+        assert mine["logprob"] == pytest.approx(lp_.logprob, abs=1e-4) and mine["rank"] == lp_.rank
+        assert {int(k) for k in entry} == {token_id, *(t for t, _ in lp_.top)}
+    chat = server.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": text, "max_tokens": 3, "echo": True, "stream": True, "temperature": 0}) as s:
+        events = _sse(s)
+    assert events[0]["choices"][0]["text"] == text
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text + smollm2.generate(
+        [text], SamplingParams(max_tokens=3))[0].text
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):

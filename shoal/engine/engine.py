@@ -18,7 +18,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from shoal.config import EngineConfig
@@ -84,6 +84,7 @@ class _Executed:
     # on its way from the device: the executing thread does not wait for the forward)
     transfers: TransferReport | None  # the connector's poll at the end of the step
     logprobs: list | None = None  # per sampled token: its TokenLogprobs or None (not asked)
+    prompt_logprobs: list = field(default_factory=list)  # (rid, position, TokenLogprobs)
     started: float = 0.0  # perf_counter when the executing thread took the step up
 
 
@@ -121,6 +122,7 @@ class Engine:
         self._held: list[Request] = []  # ended while a save of theirs is pending (SAVING)
         self._num_streamed: dict[str, int] = {}  # rid -> output tokens handed out
         self._logprobs: dict[str, list] = {}  # rid -> TokenLogprobs per output token (if asked)
+        self._prompt_logprobs: dict[str, dict] = {}  # rid -> {position: TokenLogprobs} (asked)
         self.num_iterations = 0
         self.num_forward_passes = 0
         self.forward_seconds = 0.0  # executing thread's time in forwards (on a GPU: launching)
@@ -245,7 +247,8 @@ class Engine:
             sampled = self.runner.execute(batch, token_counts, hooks)
             self.forward_seconds += time.perf_counter() - start
         report = transfers.end_step(batch.transfers) if transfers is not None else None
-        return _Executed(sampled, report, self.runner.take_logprobs(), started)
+        return _Executed(sampled, report, self.runner.take_logprobs(),
+                         self.runner.take_prompt_logprobs(), started)
 
     def _update(self, keep: int) -> list[Request]:
         """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
@@ -264,6 +267,8 @@ class Engine:
             if out.transfers is not None:
                 outcome = self.transfers.apply(batch.transfers, out.transfers)
             asked = self._logprobs_asked(batch, out.logprobs)
+            for rid, position, lp in out.prompt_logprobs:  # a recompute writes the same again
+                self._prompt_logprobs.setdefault(rid, {})[position] = lp
             # a step still in flight may write the blocks of requests ending now
             done = self.scheduler.update(batch, sampled, bool(self._inflight), outcome)
             for req, num_before, logprobs in asked:  # kept for the tokens that were appended
@@ -301,6 +306,11 @@ class Engine:
                 self._counts["local_prefix_hit_tokens"] += req.num_local_prefix_tokens or 0
                 result.finished.append(RequestOutput.from_request(req))
                 result.finished[-1].logprobs = self._logprobs.pop(req.request_id, None)
+                by_position = self._prompt_logprobs.pop(req.request_id, None)
+                if req.sampling.prompt_logprobs is not None:
+                    by_position = by_position or {}
+                    result.finished[-1].prompt_logprobs = [
+                        by_position.get(p) for p in range(req.num_prompt_tokens)]
         return result
 
     @staticmethod

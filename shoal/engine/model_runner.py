@@ -56,6 +56,7 @@ class SampledTokens:
 
 
 NO_TOKENS = SampledTokens(torch.empty(0, dtype=torch.int32))
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are computed at once
 
 
 class ModelRunner:
@@ -70,6 +71,7 @@ class ModelRunner:
         self._prev_tokens = torch.zeros(0, dtype=torch.int32, device=device)
         self._prev_rows: dict[str, int] = {}
         self._logprobs: list[TokenLogprobs | None] | None = None  # the last execute's, if asked
+        self._prompt_logprobs: list[tuple[str, int, TokenLogprobs]] = []  # (rid, position, lp)
         self.is_paged = device.type == "cuda" and HAS_TRITON
         # block-table columns: no request grows past the context or the whole cache
         max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
@@ -95,6 +97,7 @@ class ModelRunner:
                 input_ids, positions, meta, sample_rows = prepare(batch, token_counts)
                 hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
                 logits = self.model.compute_logits(hidden[sample_rows])
+                self._prompt_logprobs = self._of_prompts(batch, hidden)
             requests = [c.request for c in sampling]
             tokens = self.sampler.sample_on_device(logits, requests).int()
             request_ids = [r.request_id for r in requests]
@@ -125,6 +128,38 @@ class ModelRunner:
         self.forget(probe.request_id)
         self._prev_rows = {}
         return seconds
+
+    def _of_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list:
+        """(request id, position, TokenLogprobs) of the prompt tokens whose predicting row
+        this step computed, for the requests that asked (row p's logits give token p+1's);
+        in slices, so a long prompt's logits never sit in memory whole."""
+        rows, targets, owners, num_top = [], [], [], []
+        row = 0
+        for chunk in batch.chunks:
+            req = chunk.request
+            k = req.sampling.prompt_logprobs
+            if k is not None:
+                last = min(chunk.start + chunk.num_tokens, len(req.prompt_token_ids) - 1)
+                for p in range(chunk.start, last):
+                    rows.append(row + p - chunk.start)
+                    targets.append(req.prompt_token_ids[p + 1])
+                    owners.append((req.request_id, p + 1))
+                    num_top.append(k)
+            row += chunk.num_tokens
+        out = []
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            index = torch.tensor(rows[i:i + PROMPT_LOGPROBS_ROWS], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            span = slice(i, i + PROMPT_LOGPROBS_ROWS)
+            out += [(rid, pos, lp) for (rid, pos), lp in zip(
+                owners[span], compute_logprobs(logits, targets[span], num_top[span]))]
+        return out
+
+    def take_prompt_logprobs(self) -> list[tuple[str, int, TokenLogprobs]]:
+        """The last `execute`'s prompt logprobs (request id, position, TokenLogprobs);
+        cleared by the call."""
+        out, self._prompt_logprobs = self._prompt_logprobs, []
+        return out
 
     def take_logprobs(self) -> list[TokenLogprobs | None] | None:
         """The logprobs of the last `execute`'s samples (one per sampled token, None where

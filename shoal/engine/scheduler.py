@@ -112,9 +112,11 @@ class Scheduler:
                and len(self.running) < self.max_batch_size):
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0 and not req.block_ids, req.request_id
-            hits = self.kv.find_cached_prefix(req)
+            # prompt logprobs need every prompt position computed: no hit serves them
+            computes_all = req.sampling.prompt_logprobs is not None
+            hits = [] if computes_all else self.kv.find_cached_prefix(req)
             num_cached = len(hits) * self.kv.block_size
-            num_external = transfers.match(req, num_cached) if transfers else 0
+            num_external = transfers.match(req, num_cached) if transfers and not computes_all else 0
             num_new = min(req.num_tokens - num_cached, budget)
             # the blocks of a pool hit are allocated with it (its loads' destinations)
             if not self.kv.allocate(req, max(num_new, num_external), hits):

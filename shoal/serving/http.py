@@ -119,15 +119,22 @@ class OpenAIServer:
         conversation = body.conversation()
         prompt = tools.render(conversation) if tools else ChatPrompt(conversation)
         rid, gen = await self._start([prompt], sampling, body, "chatcmpl", request)
-        fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs, tools)
+        fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs, tools,
+                         body.prompt_logprobs)
         return await self._respond(gen, fmt, body.stream, body.include_usage, request)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         sampling = await self._sampling_of(body, body.sampling)
-        rid, gen = await self._start(body.prompts(), sampling, body, "cmpl", request)
+        prompts = body.prompts()
+        rid, gen = await self._start(prompts, sampling, body, "cmpl", request)
+        echo = None
+        if body.echo:  # the prompts as text: as given, or token ids decoded (off the loop)
+            echo = await asyncio.get_running_loop().run_in_executor(
+                self._submitter, self._texts_of, prompts)
         fmt = CompletionFormat(self.model_name, self.llm.tokenizer, rid,
-                               body.logprobs is not None)
+                               body.logprobs is not None, body.logprobs, echo,
+                               body.prompt_logprobs)
         return await self._respond(gen, fmt, body.stream, body.include_usage, request)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -312,6 +319,14 @@ class OpenAIServer:
                 raise EngineStopped(str(e)) from e
             raise
         return choices
+
+    def _texts_of(self, prompts: list) -> list[str]:
+        """(worker thread) Each prompt as text: as given, or its token ids decoded."""
+        if not self.llm.tokenizer.is_available:
+            return [p if isinstance(p, str) else "" for p in prompts]
+        with self._tokenizer_lock:
+            return [p if isinstance(p, str) else self.llm.tokenizer.decode(list(p))
+                    for p in prompts]
 
     def _prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or a conversation (chat template)."""

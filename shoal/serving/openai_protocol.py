@@ -117,11 +117,12 @@ class _GenerationBody(_Body):
     # tool calling (chat only: serving/tools.py)
     tools: list | None = None
     tool_choice: str | dict | None = None
+    # vLLM's: each prompt token's logprob and the top k (not streamed)
+    prompt_logprobs: int | None = None
     # accepted by OpenAI or vLLM, not built here: a value that asks for them is a 400
     # naming the field (never ignored); their neutral values pass (clients send those)
     functions: list | None = None
     function_call: str | dict | None = None
-    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -141,7 +142,6 @@ class _GenerationBody(_Body):
         asked = {
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
-            "prompt_logprobs": self.prompt_logprobs is not None,
         }
         for name, is_asked in asked.items():
             if is_asked:
@@ -223,11 +223,20 @@ class _GenerationBody(_Body):
         return out
 
     def _sampling(self, max_tokens: int | None, num_logprobs: int | None,
-                  forced: StructuredOutput | None = None) -> SamplingParams:
+                  forced: StructuredOutput | None = None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         """The choices' sampling (choice i of a seeded request gets seed + i); 400 naming
         the field that SamplingParams refuses, or that asks for an unsupported feature.
         max_tokens None: set per prompt later. `forced`: the grammar of a forced tool call."""
         self._refuse_unsupported()
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                  f"{self.prompt_logprobs}", "prompt_logprobs")
+            if self.stream:
+                raise bad_request("prompt_logprobs are not streamed: send stream: false",
+                                  "prompt_logprobs")
+            prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs or 0)
         structured = self.structured_output()
         if forced is not None:
             if structured is not None:
@@ -245,7 +254,8 @@ class _GenerationBody(_Body):
                 ignore_eos=self.ignore_eos, logprobs=num_logprobs, min_tokens=self.min_tokens,
                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                logit_bias=self._logit_bias(), structured_output=structured)
+                logit_bias=self._logit_bias(), structured_output=structured,
+                prompt_logprobs=prompt_logprobs)
         except (TypeError, ValueError) as e:
             raise bad_request(str(e), field_of(str(e))) from e
 
@@ -304,8 +314,9 @@ class CompletionRequest(_GenerationBody):
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not prompts or any(len(x) == 0 for x in prompts):
             raise bad_request("prompt must not be empty", "prompt")
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not streamed (the prompt's logprobs come "
+                              "with the answer): send stream: false", "echo")
         if self.tools or self.tool_choice not in (None, "none", "auto"):
             name = "tools" if self.tools else "tool_choice"
             raise bad_request(f"{name} is only taken by /v1/chat/completions", name)
@@ -321,7 +332,9 @@ class CompletionRequest(_GenerationBody):
             raise bad_request(f"logprobs must be in [0, {MAX_LEGACY_LOGPROBS}], got "
                               f"{self.logprobs}", "logprobs")
         _check_max_tokens(self.max_tokens, "max_tokens")
-        return self._sampling(self.max_tokens, self.logprobs)
+        # echo with logprobs: the prompt's tokens get theirs too (OpenAI's scoring shape)
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling(self.max_tokens, self.logprobs, prompt_logprobs=echoed)
 
 
 class TokenizeRequest(_Body):

@@ -29,6 +29,22 @@ class ResponseFormat:
         """A token's text decoded alone (logprobs); "" without a tokenizer."""
         return self.tokenizer.decode([token_id]) if self.tokenizer.is_available else ""
 
+    def prompt_logprobs(self, choice: Choice, k: int | None) -> list | None:
+        """vLLM's prompt_logprobs of a choice's prompt: None first, then per token
+        {"<id>": {"logprob", "rank", "decoded_token"}} for it and the top k."""
+        lps = choice.output.prompt_logprobs if choice.output is not None else None
+        if k is None or lps is None:
+            return None
+        out = [None]
+        for token_id, lp in zip(choice.prompt_ids[1:], lps[1:]):
+            entry = {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                     "decoded_token": self.token_text(token_id)}}
+            for rank, (i, v) in enumerate(lp.top[:k], 1):
+                entry.setdefault(str(i), {"logprob": v, "rank": rank,
+                                          "decoded_token": self.token_text(i)})
+            out.append(entry)
+        return out
+
     def usage_chunk(self, usage) -> dict:
         return self._envelope(self.chunk_object, choices=[], usage=usage.body())
 
@@ -43,9 +59,10 @@ class ChatFormat(ResponseFormat):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, rid: str, logprobs: bool,
-                 tools: ToolUse | None = None):
+                 tools: ToolUse | None = None, prompt_logprobs: int | None = None):
         super().__init__(model_name, tokenizer, rid, logprobs)
         self.tools = tools
+        self.num_prompt_logprobs = prompt_logprobs
         self._streams: dict[int, ToolStream] = {}
 
     def _logprobs(self, entries) -> dict | None:
@@ -70,8 +87,11 @@ class ChatFormat(ResponseFormat):
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.logprobs),
                             "finish_reason": _finish(c.finish_reason, calls)})
+        extra = {}
+        if self.num_prompt_logprobs is not None and results:  # one prompt: at the top (vLLM's)
+            extra["prompt_logprobs"] = self.prompt_logprobs(results[0][0], self.num_prompt_logprobs)
         return self._envelope("chat.completion", choices=choices, usage=usage.body(),
-                              system_fingerprint=None)
+                              system_fingerprint=None, **extra)
 
     def first_chunk(self, choice: Choice) -> dict:
         return self._envelope(self.chunk_object, choices=[{
@@ -104,7 +124,34 @@ def _finish(reason: str | None, calls: list) -> str | None:
 
 
 class CompletionFormat(ResponseFormat):
+    """`echo`: the prompts' texts (by prompt index), put before each answer, with their
+    tokens' logprobs when logprobs are asked (the first token has none)."""
+
     chunk_object = "text_completion"
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer, rid: str, logprobs: bool,
+                 num_logprobs: int | None = None, echo: list[str] | None = None,
+                 prompt_logprobs: int | None = None):
+        super().__init__(model_name, tokenizer, rid, logprobs)
+        self.num_logprobs, self.echo = num_logprobs, echo
+        self.num_prompt_logprobs = prompt_logprobs
+
+    def _echoed(self, choice: Choice) -> dict | None:
+        """The legacy logprobs of the choice's prompt tokens (echo with logprobs)."""
+        lps = choice.output.prompt_logprobs if choice.output is not None else None
+        if lps is None:
+            return None
+        tokens = [self.token_text(t) for t in choice.prompt_ids]
+        offsets, offset = [], 0
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        self._offsets[choice.index] = offset
+        return {"tokens": tokens,
+                "token_logprobs": [None] + [lp.logprob for lp in lps[1:]],
+                "top_logprobs": [None] + [{self.token_text(i): v for i, v in
+                                           lp.top[:self.num_logprobs]} for lp in lps[1:]],
+                "text_offset": offsets}
 
     def _logprobs(self, choice: Choice, entries) -> dict | None:
         if not self.want_logprobs:
@@ -121,9 +168,30 @@ class CompletionFormat(ResponseFormat):
                 "text_offset": offsets}
 
     def response(self, results: list[tuple[Choice, str]], usage) -> dict:
-        return self._envelope("text_completion", choices=[{
-            "index": c.index, "text": text, "logprobs": self._logprobs(c, c.logprobs),
-            "finish_reason": c.finish_reason} for c, text in results], usage=usage.body())
+        choices = []
+        for c, text in results:
+            logprobs = None
+            if self.want_logprobs:
+                head = self._echoed(c) if self.echo is not None else None
+                logprobs = self._logprobs(c, c.logprobs)
+                if head is not None:
+                    logprobs = {k: head[k] + logprobs[k] for k in logprobs}
+            if self.echo is not None:
+                text = self.echo[c.prompt_index] + text
+            body = {"index": c.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason}
+            if self.num_prompt_logprobs is not None:
+                body["prompt_logprobs"] = self.prompt_logprobs(c, self.num_prompt_logprobs)
+            choices.append(body)
+        return self._envelope("text_completion", choices=choices, usage=usage.body())
+
+    def first_chunk(self, choice: Choice) -> dict | None:
+        """With echo, the prompt's text comes first."""
+        if self.echo is None:
+            return None
+        return self._envelope(self.chunk_object, choices=[{
+            "index": choice.index, "text": self.echo[choice.prompt_index], "logprobs": None,
+            "finish_reason": None}])
 
     def chunk(self, d: Delta) -> dict:
         return self._envelope(self.chunk_object, choices=[{
