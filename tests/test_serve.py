@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from shoal import SamplingParams
-from shoal.serving.http import READY_MESSAGE
+from shoal.serving.process import READY_MESSAGE
 
 pytestmark = pytest.mark.slow
 
@@ -988,7 +988,8 @@ def test_fatal_connector_failure_is_503(tiny_model, tmp_path):
 
     from shoal import LLM
     from shoal.connectors import ConnectorConfig
-    from shoal.serving.http import OpenAIServer, build_app
+    from shoal.serving.app import build_app
+    from shoal.serving.http import OpenAIServer
 
     cfg = ConnectorConfig(module="tests.fault_connector", scheduler_class="FaultScheduler",
                           worker_class="NoAbortFaultWorker",

@@ -215,7 +215,7 @@ class ServerProcess:
     stderr is passed through to ours)."""
 
     def __init__(self, model: str, args: list[str]):
-        from shoal.serving.http import READY_MESSAGE
+        from shoal.serving.process import READY_MESSAGE
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

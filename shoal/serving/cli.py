@@ -244,7 +244,7 @@ def _serve(args: argparse.Namespace) -> int:
     import contextlib
 
     from shoal import LLM
-    from shoal.serving.http import listen, serve
+    from shoal.serving.process import listen, serve
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")

@@ -1,62 +1,46 @@
-"""`shoal serve`: an OpenAI-compatible HTTP server over one `LLM` (FastAPI + uvicorn).
+"""`shoal serve`'s endpoint logic (`OpenAIServer`) over one `LLM`; the routes are in app.py,
+the process (socket, uvicorn, signals) in process.py.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     POST /tokenize              POST /detokenize
     GET /health                 GET /version           GET /metrics
 
-The engine runs on the LLM's driver thread. A request is tokenized, checked and submitted
-on a worker thread (submit waits for the driver between two steps); its tokens come back
-to the event loop through the handle's callback (`generation.py`), so the loop never
-waits for the engine. Errors use OpenAI's body; bad input is a 400 naming the field.
-With `--api-key`, /v1/* needs `Authorization: Bearer <key>` (401 otherwise); a body
-past `--max-body-bytes` is answered 413 before it is parsed; past
-`--max-concurrent-requests` running and `--max-queue` waiting, a 429 (admission.py); a
-client that stalls mid-request is cut after `--read-timeout` (read_timeout.py).
-Once the port accepts requests, one line on stderr says so (`READY_MESSAGE`, the URL, the
-served name). SIGTERM/SIGINT: new requests get 503 (/health too), running ones get the
-grace to finish; past it every stream ends with an error event and [DONE], every other
-response is a JSON 503 (`OpenAIServer.drain`); then the port closes, `llm.shutdown()`,
-exit 0.
+The engine runs on the LLM's driver thread. A request takes a place (admission.py: past
+`--max-concurrent-requests` running and `--max-queue` waiting, a 429), is tokenized,
+checked and submitted on a worker thread (submit waits for the driver between two steps);
+its tokens come back to the event loop through the handle's callback (`generation.py`),
+so the loop never waits for the engine. Errors use OpenAI's body; bad input is a 400
+naming the field. SIGTERM/SIGINT: `drain` (new requests and /health get 503, running ones
+get the grace; past it every stream ends with an error event and [DONE], every other
+response is a JSON 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
-import os
-import signal
-import socket
-import sys
 import threading
 import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
-import uvicorn
-
-import shoal
 from shoal.llm import LLM
 from shoal.sampling import SamplingParams
 from shoal.serving.admission import Admission, Place, QueueFull
-from shoal.serving.body_limit import BodyLimit
 from shoal.serving.detokenizer import TextStream
 from shoal.serving.generation import Choice, ChoiceQueue, EngineStopped, Generation, TokenInbox
 from shoal.serving.limits import ServerLimits
 from shoal.serving.metrics import ServerMetrics
 from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                            DetokenizeRequest, TokenizeRequest, bad_request,
-                                           field_of, for_prompt, validation_error)
-from shoal.serving.read_timeout import ReadTimeoutProtocol
-from shoal.serving.responses import ChatFormat, CompletionFormat, ResponseFormat
+                                           field_of, for_prompt)
+from shoal.serving.respond import disconnected, engine_stopped, error_response, respond
+from shoal.serving.responses import ChatFormat, CompletionFormat
 from shoal.serving.tools import ChatPrompt, ToolUse
 
 log = logging.getLogger(__name__)
@@ -121,7 +105,7 @@ class OpenAIServer:
         rid, gen = await self._start([prompt], sampling, body, "chatcmpl", request)
         fmt = ChatFormat(self.model_name, self.llm.tokenizer, rid, body.logprobs, tools,
                          body.prompt_logprobs)
-        return await self._respond(gen, fmt, body.stream, body.include_usage, request)
+        return await respond(gen, fmt, body.stream, body.include_usage, request)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -135,7 +119,7 @@ class OpenAIServer:
         fmt = CompletionFormat(self.model_name, self.llm.tokenizer, rid,
                                body.logprobs is not None, body.logprobs, echo,
                                body.prompt_logprobs)
-        return await self._respond(gen, fmt, body.stream, body.include_usage, request)
+        return await respond(gen, fmt, body.stream, body.include_usage, request)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         """The ids a completion (prompt) or chat (messages) would run: the count clients
@@ -175,9 +159,9 @@ class OpenAIServer:
     def health(self) -> Response:
         error = self.engine_error
         if error is not None:
-            return _error_response(_engine_stopped(error))
+            return error_response(engine_stopped(error))
         if self.is_stopping:
-            return _error_response(ApiError(503, "the server is shutting down",
+            return error_response(ApiError(503, "the server is shutting down",
                                             type_="service_unavailable"))
         return JSONResponse({"status": "ok"})
 
@@ -237,7 +221,7 @@ class OpenAIServer:
             raise ApiError(404, f"The model `{model}` does not exist (this server serves "
                            f"`{self.model_name}`)", "model", code="model_not_found")
         if self.engine_error is not None:
-            raise _engine_stopped(self.engine_error)
+            raise engine_stopped(self.engine_error)
         if self.is_stopping:
             raise ApiError(503, "the server is shutting down", type_="service_unavailable")
 
@@ -280,7 +264,7 @@ class OpenAIServer:
         if place is not None:
             return place
         enter = asyncio.ensure_future(self.admission.wait())
-        watch = asyncio.ensure_future(_disconnected(request))
+        watch = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({enter, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -351,54 +335,6 @@ class OpenAIServer:
                 f"{self.max_request_len} (the context, or what the KV cache holds)", param)
         return ids
 
-    async def _respond(self, gen: Generation, fmt: ResponseFormat, stream: bool, include_usage: bool,
-                       request: Request) -> Response:
-        if stream:
-            return StreamingResponse(self._sse(gen, fmt, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        task = asyncio.ensure_future(self._collect(gen, fmt))
-        watch = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():  # the client went away (or this task was cancelled)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            watch.cancel()
-        if task.cancelled():
-            return Response(status_code=499)
-        return JSONResponse(task.result())  # raises the ApiError / EngineStopped
-
-    async def _collect(self, gen: Generation, fmt: ResponseFormat) -> dict:
-        texts = {c.index: [] for c in gen.choices}
-        async with contextlib.aclosing(gen.deltas()) as deltas:
-            async for d in deltas:
-                texts[d.choice.index].append(d.text)
-        return fmt.response([(c, "".join(texts[c.index])) for c in gen.choices], gen.usage())
-
-    async def _sse(self, gen: Generation, fmt: ResponseFormat, include_usage: bool):
-        try:
-            for c in gen.choices:
-                first = fmt.first_chunk(c)
-                if first is not None:
-                    yield _sse(first)
-            async with contextlib.aclosing(gen.deltas()) as deltas:
-                async for d in deltas:
-                    chunk = fmt.chunk(d)
-                    if chunk is not None:
-                        yield _sse(chunk)
-            if include_usage:
-                yield _sse(fmt.usage_chunk(gen.usage()))
-        except ApiError as e:
-            yield _sse(e.body())
-        except EngineStopped as e:
-            yield _sse(_engine_stopped(e).body())
-        except Exception as e:  # never a half-open stream without a word
-            log.exception("stream failed")
-            yield _sse(ApiError(500, f"{type(e).__name__}: {e}", type_="server_error").body())
-        yield "data: [DONE]\n\n"
 
 
 def _hold_until_ended(future, queue: ChoiceQueue, place: Place) -> None:
@@ -414,196 +350,3 @@ def _cancel_submitted(future) -> None:
     if not future.cancelled() and future.exception() is None:
         for choice in future.result():
             choice.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone away."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _engine_stopped(error: BaseException) -> ApiError:
-    return ApiError(503, f"the engine has stopped: {error}", type_="service_unavailable",
-                    code="engine_stopped")
-
-
-def _error_response(e: ApiError) -> JSONResponse:
-    headers = ({"Retry-After": str(e.retry_after_s)} if isinstance(e, QueueFull) else None)
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-# -- the app and the process ---------------------------------------------------------------
-
-
-def build_app(server: OpenAIServer, api_key: str | None = None) -> FastAPI:
-    """The app; with `api_key`, every /v1/* request must carry `Authorization: Bearer
-    <api_key>` (compared in constant time) or is answered 401 (as vLLM: /health,
-    /version and /metrics stay open). A body past the server's `max_body_bytes` is
-    answered 413 before it is parsed (body_limit.py)."""
-    app = FastAPI(title="shoal", version=shoal.__version__, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, max_bytes=server.limits.max_body_bytes)
-
-    if api_key:
-        expected = api_key.encode()
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
-                scheme, _, token = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(
-                        token.strip().encode("utf-8", "replace"), expected):
-                    return _error_response(ApiError(
-                        401, "Missing or incorrect API key: send 'Authorization: Bearer "
-                        "<key>' with the key the server was started with (--api-key)",
-                        code="invalid_api_key"))
-            return await call_next(request)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError):
-        return _error_response(e)
-
-    @app.exception_handler(EngineStopped)
-    async def engine_stopped(request: Request, e: EngineStopped):
-        return _error_response(_engine_stopped(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, e: RequestValidationError):
-        return _error_response(validation_error(list(e.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(ApiError(e.status_code, str(e.detail), type_=kind))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await server.chat(body, request)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await server.completions(body, request)
-
-    @app.get("/v1/models")
-    async def models():
-        return server.models()
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        return await server.tokenize(body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        return await server.detokenize(body)
-
-    @app.get("/health")
-    async def health():
-        return server.health()
-
-    @app.get("/version")
-    async def version():
-        return {"version": shoal.__version__}
-
-    @app.get("/metrics")
-    async def metrics():
-        return await server.render_metrics()
-
-    if os.environ.get("SHOAL_SERVE_DEBUG") == "1":  # for tests: never on by default
-        @app.get("/debug/integrity")
-        async def integrity():
-            """Block accounting on every rank (Scheduler.check_integrity)."""
-            loop = asyncio.get_running_loop()
-            try:
-                await loop.run_in_executor(server._submitter, server.llm.check_integrity)
-            except AssertionError as e:
-                return _error_response(ApiError(500, str(e), type_="server_error"))
-            return {"ok": True}
-
-        @app.get("/debug/idle")
-        async def idle(timeout: float = 30.0):
-            """Waits (at most `timeout` seconds) until the engine has no work: a test's
-            signal that abandoned requests were cancelled and their blocks freed."""
-            loop = asyncio.get_running_loop()
-            try:
-                is_idle = await loop.run_in_executor(server._submitter, server.wait_idle, timeout)
-            except Exception as e:  # the engine stopped for good: wait_idle raises its error
-                return _error_response(_engine_stopped(e))
-            return {"idle": is_idle}
-
-    return app
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port for `serve` (bound before the model loads, so an address
-    in use or unknown fails at once: OSError naming it)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    return sock
-
-
-def serve(llm: LLM, sock: socket.socket, served_model_name: str,
-          shutdown_grace_sec: float, access_log: bool = False,
-          api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> None:
-    """Serve on `sock` (from `listen`) until SIGTERM/SIGINT; then stop accepting, give
-    running requests `shutdown_grace_sec` to finish (cancel the rest) and return. The
-    caller shuts the LLM down. `api_key`: see build_app."""
-    server = OpenAIServer(llm, served_model_name, limits)
-    # uvicorn's own grace only lets the responses `drain` ended finish writing
-    config = uvicorn.Config(build_app(server, api_key), lifespan="off", http=ReadTimeoutProtocol,
-                            log_level="info" if access_log else "warning",
-                            access_log=access_log, timeout_graceful_shutdown=ABORT_WAIT_S)
-    config.shoal_read_timeout_s = limits.read_timeout_s
-    try:
-        _Server(config, server, shutdown_grace_sec).run(sockets=[sock])
-    finally:
-        server.close()
-        sock.close()
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server whose SIGTERM/SIGINT end in a normal return (uvicorn re-raises
-    the signal after its graceful shutdown, which would end the process by that signal
-    before the engine is shut down, and with its exit status)."""
-
-    def __init__(self, config: uvicorn.Config, server: OpenAIServer, grace_s: float):
-        super().__init__(config)
-        self._openai = server
-        self._grace_s = grace_s
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if not self.force_exit:  # a second SIGINT skips the grace
-            await self._openai.drain(self._grace_s)
-        await super().shutdown(sockets)
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started and sockets:  # listening: requests are accepted from now on
-            host, port = sockets[0].getsockname()[:2]
-            host = f"[{host}]" if ":" in host else host
-            print(f"{READY_MESSAGE} http://{host}:{port} (model {self._openai.model_name})",
-                  file=sys.stderr, flush=True)
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        def on_signal(sig, frame):
-            self._openai.is_stopping = True  # /health says so; new requests get 503
-            self.handle_exit(sig, frame)
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
