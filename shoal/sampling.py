@@ -206,6 +206,10 @@ class Sampler:
         self._draws: dict[str, tuple[int, int]] = {}  # rid -> (seed, draws so far)
         self._num_sampled: dict[str, int] = {}  # rid -> tokens sampled (min_tokens requests)
         self._counts: TokenCounts | None = None  # output tokens of penalised requests
+        # the last call's constrained rows: (request ids, their tokens on the device), read
+        # and given to the matchers at the next call (by then the device has long sampled
+        # them: the forward of that next step runs while the masks are computed)
+        self._unread: tuple[list[str], torch.Tensor] | None = None
 
     def sample(self, logits: torch.Tensor, rows) -> list[int]:
         return self.sample_on_device(logits, rows).tolist()
@@ -236,9 +240,9 @@ class Sampler:
         if counted is not None:  # the penalised rows' counts take their new tokens
             index, slab_rows = counted
             self._counts.add(slab_rows, tokens.index_select(0, index))
-        if structured:  # the matchers take their tokens (the only read back here)
-            self.grammars.advance([rows[i].request_id for i in structured],
-                                  tokens[torch.tensor(structured, device=tokens.device)].tolist())
+        if structured:
+            self._unread = ([rows[i].request_id for i in structured],
+                            tokens[torch.tensor(structured, device=tokens.device)])
         for r in rows:
             if r.sampling.min_tokens:
                 self._num_sampled[r.request_id] = self._num_sampled.get(r.request_id, 0) + 1
@@ -252,11 +256,19 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.forget(request_id)
 
+    def _read_back(self) -> None:
+        """The matchers take the tokens the last call drew for them."""
+        if self._unread is not None:
+            request_ids, tokens = self._unread
+            self._unread = None
+            self.grammars.advance(request_ids, tokens.tolist())
+
     def _constrain(self, logits: torch.Tensor, rows, structured: list[int]) -> torch.Tensor:
         """The structured rows' logits with every token their grammar forbids at -inf; a
         row left with no token gets its first stop token (it ends; never a failure)."""
         if self.grammars is None:
             raise RuntimeError("structured output needs the model's tokenizer")
+        self._read_back()
         device, vocab = logits.device, logits.shape[1]
         sub_rows = [rows[i] for i in structured]
         allowed = allowed_tokens(self.grammars.bitmask(sub_rows).to(device, non_blocking=True),

@@ -806,7 +806,8 @@ def _wait_metric(s: Server, name: str, value: float, timeout: float = 60.0) -> N
     """Until /metrics shows `name` at `value` (the server's own state, read as it changes)."""
     deadline = time.monotonic() + timeout
     while (seen := s.metrics().get(name)) != value:
-        assert time.monotonic() < deadline, f"{name} stayed {seen}, expected {value}"
+        assert time.monotonic() < deadline, (f"{name} stayed {seen}, expected {value}; "
+                                             f"server output: {''.join(s.output[-20:])}")
 
 
 def _raw(s: Server, data: bytes) -> socket.socket:
@@ -837,12 +838,14 @@ def test_places_queue_429_and_stalled_clients(smollm2_path, smollm2):
     short = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
     try:
         with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
-            next(r.iter_lines())  # running: the one place is taken
+            first = next(r.iter_lines())  # running: the one place is taken
+            assert json.loads(first.removeprefix("data: "))["choices"], first
+            results: list[httpx.Response] = []
             waiting = threading.Thread(target=lambda: results.append(
                 s.post("/v1/completions", short)))
-            results: list[httpx.Response] = []
             waiting.start()
             _wait_metric(s, "shoal:server_requests_queued", 1)
+            assert not results, results[0].text  # it waits (and did not fail)
             refused = s.post("/v1/completions", short)
             assert refused.status_code == 429, refused.text
             assert int(refused.headers["retry-after"]) >= 1

@@ -28,6 +28,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "adp":
         from shoal.bench.adp import run_adp
         return run_adp(args.model, args.num_prompts, args.max_tokens, args.device)
+    if args.bench == "structured":
+        from shoal.bench.structured import run_structured
+        return run_structured(args.model, args.num_prompts, args.max_tokens, args.device,
+                              args.rounds, args.grammar)
     if args.bench == "serve":
         from shoal.bench.serve import run_serve_bench
         return run_serve_bench(args)

@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "tier (the engine loaded the prompt once before)")
     model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
                 num_prompts=16, max_tokens=64)
+    st = model_bench("structured", "decode tokens/s with every request under a grammar vs "
+                     "free, in the same run", num_prompts=16, max_tokens=64, rounds=3)
+    st.add_argument("--grammar", choices=["regex", "json"], default="regex",
+                    help="the constraint: a permissive regex, or a JSON array of strings")
     sb = bsub.add_parser("serve", help="shared-prefix workload against `shoal serve`: pool "
                          "off / on / warm restart, and the library's TPOT")
     sb.add_argument("--model", default="smollm2")
