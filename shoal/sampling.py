@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -210,6 +211,30 @@ class Sampler:
         # and given to the matchers at the next call (by then the device has long sampled
         # them: the forward of that next step runs while the masks are computed)
         self._unread: tuple[list[str], torch.Tensor] | None = None
+        # the masks `prepare` is computing on a worker thread: (request ids, future)
+        self._masks: tuple[list[str], Future] | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
+
+    def prepare(self, rows) -> None:
+        """Start the masks of the constrained rows of the coming sample on a worker thread,
+        so they are computed while the forward runs (the matchers first take the tokens of
+        the last call, which the device may still be drawing)."""
+        constrained = [r for r in rows if r.sampling.structured_output is not None]
+        if not constrained or self.grammars is None:
+            return
+        self._wait_for_masks()
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
+        self._masks = ([r.request_id for r in constrained],
+                       self._mask_thread.submit(self._fill_masks, constrained))
+
+    def _fill_masks(self, rows) -> torch.Tensor:
+        self._read_back()
+        return self.grammars.bitmask(rows)
+
+    def _wait_for_masks(self) -> torch.Tensor | None:
+        masks, self._masks = self._masks, None
+        return None if masks is None else masks[1].result()
 
     def sample(self, logits: torch.Tensor, rows) -> list[int]:
         return self.sample_on_device(logits, rows).tolist()
@@ -268,17 +293,19 @@ class Sampler:
         row left with no token gets its first stop token (it ends; never a failure)."""
         if self.grammars is None:
             raise RuntimeError("structured output needs the model's tokenizer")
-        self._read_back()
         device, vocab = logits.device, logits.shape[1]
         sub_rows = [rows[i] for i in structured]
-        allowed = allowed_tokens(self.grammars.bitmask(sub_rows).to(device, non_blocking=True),
-                                 vocab)
+        prepared = self._masks is not None and self._masks[0] == [r.request_id for r in sub_rows]
+        bitmask = self._wait_for_masks()
+        if not prepared:  # not started by `prepare` (or for other rows): here
+            bitmask = self._fill_masks(sub_rows)
+        allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab)
         index = torch.tensor(structured, device=device)
-        sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
         stop = torch.tensor([min(r.stop_token_ids, default=0) for r in sub_rows], device=device)
-        dead = torch.isinf(sub.max(dim=1).values)[:, None]
-        first_stop = torch.arange(vocab, device=device)[None, :] == stop[:, None]
-        sub = torch.where(dead & first_stop, 0.0, sub)
+        dead = torch.isinf(sub.max(dim=1).values)
+        at = (torch.arange(len(sub_rows), device=device), stop)
+        sub.index_put_(at, torch.where(dead, 0.0, sub[at]))
         return logits.index_copy(0, index, sub)
 
     def _shape(self, logits: torch.Tensor, rows):

@@ -143,5 +143,6 @@ class Grammars:
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, vocab] bool from an [R, words] int32 bitmask (on the bitmask's device)."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+    bits = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32,
+                        device=bitmask.device)  # bit 31 is int32's sign
+    return (bitmask[:, :, None] & bits != 0).flatten(1)[:, :vocab_size]

@@ -89,6 +89,7 @@ class ModelRunner:
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
         `layer_hooks` (the connector's worker hooks) are called around every layer."""
         sampling = [c for c in batch.chunks if c.is_sampling]
+        self.sampler.prepare([c.request for c in sampling])  # grammar masks, meanwhile
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_replay(batch):
                 logits = self.graphs.replay(batch, self, layer_hooks)
