@@ -601,6 +601,21 @@ def test_neutral_values_of_unsupported_fields_are_accepted(server):
     assert r.status_code == 200, r.text
 
 
+def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized(server):
+    """A text with more bytes than the token limit times the longest token's bytes is a 400
+    before the tokenizer sees it (a just-under-body-limit prompt never holds the tokenizer
+    for seconds); one that only tokenizes too long is refused after tokenizing, also 400."""
+    huge = "word " * 400_000  # 2 MB: under --max-body-bytes, certainly too many tokens
+    r = server.post("/v1/completions", {"prompt": huge, "max_tokens": 1})
+    assert r.status_code == 400 and "bytes" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "prompt"
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    long = "word " * 9000  # 45 kB: tokenized, then refused for its 9000 tokens
+    r = server.post("/v1/completions", {"prompt": long, "max_tokens": 1})
+    assert r.status_code == 400 and "tokens, more than" in r.json()["error"]["message"]
+
+
 def test_a_huge_body_is_refused_unread_while_others_run(server):
     """The default --max-body-bytes (8 MiB): a 20 MB body is answered 413 before it is
     parsed or tokenized, declared (Content-Length) or chunked, and a small request sent

@@ -74,6 +74,13 @@ class OpenAIServer:
         # loaded now, not by concurrent requests; the template tells the tool call format
         self._chat_template = (getattr(llm.tokenizer.hf, "chat_template", None)
                                if llm.tokenizer.is_available else None)
+        # the most bytes one token stands for (each id decoded alone: a piece of a character
+        # decodes to U+FFFD, more bytes than it holds), to refuse a text too long untokenized
+        self._max_token_bytes = None
+        if llm.tokenizer.is_available:
+            hf = llm.tokenizer.hf
+            self._max_token_bytes = max(len(t.encode("utf-8")) for t in hf.batch_decode(
+                [[i] for i in range(len(hf))]))
         self.is_stopping = False
         self._inbox: TokenInbox | None = None  # made on the loop's first request
         self._queues: weakref.WeakSet[ChoiceQueue] = weakref.WeakSet()  # live requests'
@@ -312,9 +319,24 @@ class OpenAIServer:
             return [p if isinstance(p, str) else self.llm.tokenizer.decode(list(p))
                     for p in prompts]
 
+    def _refuse_certainly_too_long(self, prompt, param: str) -> None:
+        """A text with more UTF-8 bytes than max_request_len tokens of the longest token
+        could hold is refused before it is tokenized (a huge prompt would hold the
+        tokenizer, and every other request's tokenizing, for seconds)."""
+        if self._max_token_bytes is None or not isinstance(prompt, (str, ChatPrompt)):
+            return
+        texts = [prompt] if isinstance(prompt, str) else [
+            m.get("content") or "" for m in prompt.messages]
+        num_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if num_bytes > self.max_request_len * self._max_token_bytes:
+            raise bad_request(
+                f"{param} is {num_bytes} bytes: more tokens than this server's limit of "
+                f"{self.max_request_len} (the context, or what the KV cache holds)", param)
+
     def _prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or a conversation (chat template)."""
         param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
+        self._refuse_certainly_too_long(prompt, param)
         try:
             with self._tokenizer_lock:
                 if param == "messages":
