@@ -406,10 +406,15 @@ def validation_error(errors: list[dict]) -> ApiError:
     param = ".".join(loc) or None
     if e.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {e.get('msg')}")
+    what = param or "the body"  # the body itself (not a JSON object, say)
     if e.get("type") == "missing":
-        return bad_request(f"{param} is required", param)
+        return bad_request(f"{what} is required", param)
     msg = str(e.get("msg", "")).removeprefix("Value error, ")
-    return bad_request(f"{param}: {msg} (got {e.get('input')!r:.80})", param)
+    try:  # the value as the client wrote it (JSON), not as Python prints it
+        shown = json.dumps(e.get("input"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        shown = repr(e.get("input"))
+    return bad_request(f"{what}: {msg} (got {shown:.80})", param)
 
 
 @dataclass(frozen=True)
