@@ -4,6 +4,6 @@ from shoal.llm import LLM
 from shoal.request import RequestOutput
 from shoal.sampling import SamplingParams
 from shoal.structured_output import StructuredOutput
+from shoal.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput", "__version__"]

@@ -1,5 +1,5 @@
 import sys
 
-from shoal.serving.cli import main
+from shoal.cli import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorConfig, ConnectorError
 from shoal.engine.engine import Engine, EngineLike
 from shoal.request import NewRequest, RequestOutput
-from shoal.serving.driver import Driver, RequestHandle
+from shoal.driver import Driver, RequestHandle
 from shoal.sampling import SamplingParams
 
 Prompt = str | Sequence[int]  # text, or token ids used as they are

@@ -89,7 +89,7 @@ def test_serve_help_lists_only_tested_options():
 
 def test_engine_flags_reach_the_engine_config():
     from shoal.config import EngineConfig
-    from shoal.serving.cli import _engine_kwargs, build_parser
+    from shoal.cli import _engine_kwargs, build_parser
     args = build_parser().parse_args([
         "serve", "--dp", "2", "--tp", "3", "--kv-pool", "/p", "--block-size", "8",
         "--max-batch-size", "4", "--max-num-tokens", "64", "--num-kv-blocks", "32",
@@ -108,7 +108,7 @@ def test_engine_flags_reach_the_engine_config():
 
 def test_serve_takes_the_api_key_from_the_environment(monkeypatch):
     """SHOAL_API_KEY is --api-key's default; the flag wins over it."""
-    from shoal.serving.cli import build_parser
+    from shoal.cli import build_parser
     monkeypatch.setenv("SHOAL_API_KEY", "from-env")
     assert build_parser().parse_args(["serve"]).api_key == "from-env"
     assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
@@ -212,7 +212,7 @@ def test_a_ctrl_c_ends_the_progress_bar_line_first():
 
     from tqdm import tqdm
 
-    from shoal.serving.cli import _end_progress_bars
+    from shoal.cli import _end_progress_bars
 
     out = io.StringIO()
     tqdm(total=3, desc="requests", file=out)  # drawn, never closed

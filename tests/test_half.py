@@ -81,7 +81,7 @@ def test_half_precision_keys_differ_from_float32(tiny_model, tmp_path):
 
 
 def test_cli_dtype_flag_reaches_the_engine_config():
-    from shoal.serving.cli import _engine_kwargs, build_parser
+    from shoal.cli import _engine_kwargs, build_parser
     for dtype in ("auto", "float32", "bfloat16", "float16"):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--dtype", dtype])
         assert _engine_kwargs(args)["dtype"] == dtype

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shoal.serving.openai_protocol import ApiError
+from shoal.serving.errors import ApiError
 from shoal.serving.tools import ToolUse, tool_format
 
 WEATHER = {"type": "function", "function": {

@@ -5,6 +5,62 @@ from __future__ import annotations
 import argparse
 
 
+def add_bench_parser(b: argparse.ArgumentParser) -> None:
+    """`shoal bench`'s subcommands and their options."""
+    bsub = b.add_subparsers(dest="bench", required=True)
+    def model_bench(name: str, help_text: str, **ints: int) -> None:
+        p = bsub.add_parser(name, help=help_text)
+        p.add_argument("--model", default="smollm2",
+                       help="preset, path, or random:<shape> (smollm2-135m, llama-1b, llama-8b)")
+        p.add_argument("--device", default="cpu")
+        for flag, default in ints.items():
+            p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
+        return p
+
+    t = model_bench("throughput", "tokens/s vs transformers generate, and prefix-hit TTFT",
+                    num_prompts=16, max_tokens=128, prompt_len=0, rounds=3)
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    t.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
+    tt = model_bench("ttft", "TTFT of a long prefix from the pool (loaded whole; computed "
+                     "from the front while the back loads) vs recomputed (--dp 2: two owners "
+                     "sharing the pool; --tp 3: every engine a TP fleet)",
+                     prefix_tokens=2048, rounds=2, dp=1, tp=1)
+    tt.add_argument("--pool-read-gbps", type=float, metavar="GBPS",
+                    help="cap the pool's file reads at this rate (the fs connector's "
+                    "max_read_gbps: a slow or shared store)")
+    tt.add_argument("--pool", metavar="URL", help="run on this redis:// pool (under a key "
+                    "prefix of its own, deleted afterwards; default: a temporary directory)")
+    tt.add_argument("--source", choices=["files", "tier"], default="files",
+                    help="where the hit comes from: files (page cache; default) or the host "
+                    "tier (the engine loaded the prompt once before)")
+    model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
+                num_prompts=16, max_tokens=64)
+    st = model_bench("structured", "decode tokens/s with every request under a grammar vs "
+                     "free, in the same run", num_prompts=16, max_tokens=64, rounds=3)
+    st.add_argument("--grammar", choices=["regex", "json"], default="regex",
+                    help="the constraint: a permissive regex, or a JSON array of strings")
+    sb = bsub.add_parser("serve", help="shared-prefix workload against `shoal serve`: pool "
+                         "off / on / warm restart, and the library's TPOT")
+    sb.add_argument("--model", default="smollm2")
+    sb.add_argument("--device", default="cpu")
+    sb.add_argument("--url", help="a running server to load instead (one run, no restarts)")
+    sb.add_argument("--served-model-name", default="shoal-bench")
+    for flag, default in (("clients", 8), ("docs", 2), ("doc-tokens", 512), ("questions", 8),
+                          ("chats", 2), ("turns", 3), ("max-tokens", 16), ("dp", 1),
+                          ("num-kv-blocks", 1024)):
+        sb.add_argument(f"--{flag}", type=int, default=default)
+    io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads (or "
+                         "raw pipelined SET/GET with --pool redis://...)")
+    io.add_argument("--pool", metavar="URL", help="measure the redis connector on this "
+                    "redis:// store instead of the fs pool in a temporary directory")
+    io.add_argument("--num-blocks", type=int, default=256)
+    io.add_argument("--threads", type=int, help="I/O threads (default: the fs connector's, "
+                    "4 on a CPU, 8 with --device cuda, at most the usable CPUs)")
+    io.add_argument("--device", default="cpu", help="cpu, or cuda: GPU blocks of Llama-3.2-1B's "
+                    "shape, through the host tier")
+    io.add_argument("--rounds", type=int, default=3)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         from shoal.bench.throughput import run_throughput

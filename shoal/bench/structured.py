@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import time
 
 from shoal import LLM, SamplingParams, StructuredOutput
 from shoal.bench.throughput import _prompts
-from shoal.kv.kv_cache_manager import cdiv
+from shoal.util import cdiv
 
 GRAMMARS = {
     "regex": (r"[A-Za-z0-9 ,.;:'!?\n-]+", None),

@@ -18,7 +18,7 @@ import time
 import torch
 
 from shoal import LLM, SamplingParams
-from shoal.kv.kv_cache_manager import cdiv
+from shoal.util import cdiv
 from shoal.model.loader import resolve_model_path
 
 TOPICS = ["the ocean", "a lighthouse", "mountains", "a library", "the moon", "a bakery",

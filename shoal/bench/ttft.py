@@ -16,7 +16,7 @@ import torch
 from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
 from shoal.request import RequestOutput
-from shoal.kv.kv_cache_manager import cdiv
+from shoal.util import cdiv
 
 ONE = SamplingParams(max_tokens=1)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shoal.kv.kv_cache_manager import cdiv
+from shoal.util import cdiv
 from shoal.model.llama import AttentionMetadata, PagedInputs
 
 ALIGN = 16  # int32 elements: 64 bytes

@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.kv.kv_cache_manager import cdiv
+from shoal.util import cdiv
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 from shoal.engine.cuda_graphs import DecodeGraphs, StepInputs
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.kv.kv_cache import KVCache
-from shoal.kv.kv_cache_manager import cdiv
+from shoal.util import cdiv
 from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs, PrefillSeq
 from shoal.model.paged_attention import HAS_TRITON
 from shoal.sampling import Sampler, TokenLogprobs, compute_logprobs

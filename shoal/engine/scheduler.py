@@ -6,8 +6,10 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from shoal.engine.transfers import NO_TRANSFERS, KVTransfers, TransferOutcome, TransferPlan
-from shoal.kv.kv_cache_manager import KVCacheManager, cdiv
+from shoal.engine.transfer_poll import NO_TRANSFERS, TransferPlan
+from shoal.engine.transfers import KVTransfers, TransferOutcome
+from shoal.kv.kv_cache_manager import KVCacheManager
+from shoal.util import cdiv
 from shoal.request import Request, RequestStatus
 
 

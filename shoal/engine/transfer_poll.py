@@ -13,17 +13,31 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from shoal.connectors.base import LoadProgress
 from shoal.engine.connector_calls import ConnectorCalls
 
-if TYPE_CHECKING:
-    from shoal.engine.transfers import TransferPlan
-
 log = logging.getLogger(__name__)
 
 NO_FAILURE = 1 << 62  # "no failed block" in an agreed minimum
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The transfers' part of one step, fixed when the step is scheduled."""
+
+    meta: Any = None  # the connector's plan (build_connector_meta); None without a connector
+    save_epochs: dict[str, int] = field(default_factory=dict)  # saves to poll, their episodes
+    loading_ids: tuple[str, ...] = ()  # loads to poll after the step
+    deadlines: dict[str, float] = field(default_factory=dict)  # of those transfers
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.save_epochs) + len(self.loading_ids)
+
+
+NO_TRANSFERS = TransferPlan()
 
 
 @dataclass

@@ -42,13 +42,13 @@ import math
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
                                    LoadProgress, RequestData, RequestView, SchedulerOutput)
 from shoal.engine.connector_calls import ConnectorCalls
 from shoal.engine.peers import Agreement
-from shoal.engine.transfer_poll import TransferPoller, TransferReport
+from shoal.engine.transfer_poll import TransferPlan, TransferPoller, TransferReport
 from shoal.kv.block_pool import BlockPool
 from shoal.engine.load_split import LoadPlanner
 from shoal.request import PoolHit, Request, RequestStatus
@@ -58,23 +58,6 @@ T = TypeVar("T")
 # PoolHit.decision -> its stats counter
 HIT_COUNTERS = {"load": "pool_hits_loaded", "split": "pool_hits_split",
                 "compute": "pool_hits_computed"}
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """The transfers' part of one step, fixed when the step is scheduled."""
-
-    meta: Any = None  # the connector's plan (build_connector_meta); None without a connector
-    save_epochs: dict[str, int] = field(default_factory=dict)  # saves to poll, their episodes
-    loading_ids: tuple[str, ...] = ()  # loads to poll after the step
-    deadlines: dict[str, float] = field(default_factory=dict)  # of those transfers
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.save_epochs) + len(self.loading_ids)
-
-
-NO_TRANSFERS = TransferPlan()
 
 
 @dataclass

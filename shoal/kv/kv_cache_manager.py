@@ -5,10 +5,7 @@ from __future__ import annotations
 from shoal.kv.block_keys import extend_block_keys, request_seed
 from shoal.kv.block_pool import BlockPool
 from shoal.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from shoal.util import cdiv
 
 
 class KVCacheManager:

@@ -16,7 +16,7 @@ import math
 import time
 from collections import deque
 
-from shoal.serving.openai_protocol import ApiError
+from shoal.serving.errors import ApiError
 
 MAX_RETRY_AFTER_S = 600
 

@@ -11,12 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import shoal
 from shoal.serving.body_limit import BodyLimit
+from shoal.version import __version__
 from shoal.serving.generation import EngineStopped
 from shoal.serving.http import OpenAIServer
-from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           DetokenizeRequest, TokenizeRequest, validation_error)
+from shoal.serving.errors import ApiError, validation_error
+from shoal.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                           DetokenizeRequest, TokenizeRequest)
 from shoal.serving.respond import engine_stopped, error_response
 
 
@@ -25,7 +26,7 @@ def build_app(server: OpenAIServer, api_key: str | None = None) -> FastAPI:
     <api_key>` (compared in constant time) or is answered 401 (as vLLM: /health,
     /version and /metrics stay open). A body past the server's `max_body_bytes` is
     answered 413 before it is parsed (body_limit.py)."""
-    app = FastAPI(title="shoal", version=shoal.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="shoal", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=server.limits.max_body_bytes)
 
     if api_key:
@@ -86,7 +87,7 @@ def build_app(server: OpenAIServer, api_key: str | None = None) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": shoal.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics():

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from shoal.request import RequestOutput
 from shoal.sampling import TokenLogprobs
 from shoal.serving.detokenizer import TextStream
-from shoal.serving.driver import RequestHandle
+from shoal.driver import RequestHandle
 from shoal.serving.metrics import ServerMetrics
-from shoal.serving.openai_protocol import ApiError, Usage
+from shoal.serving.errors import ApiError
+from shoal.serving.openai_protocol import Usage
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from shoal.serving.detokenizer import TextStream
 from shoal.serving.generation import Choice, ChoiceQueue, EngineStopped, Generation, TokenInbox
 from shoal.serving.limits import ServerLimits
 from shoal.serving.metrics import ServerMetrics
-from shoal.serving.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           DetokenizeRequest, TokenizeRequest, bad_request,
-                                           field_of, for_prompt)
+from shoal.serving.errors import ApiError, bad_request, field_of
+from shoal.serving.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                           DetokenizeRequest, TokenizeRequest, for_prompt)
 from shoal.serving.respond import disconnected, engine_stopped, error_response, respond
 from shoal.serving.responses import ChatFormat, CompletionFormat
 from shoal.serving.tools import ChatPrompt, ToolUse

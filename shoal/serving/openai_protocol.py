@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies (validated), their `SamplingParams`, error bodies.
+"""The OpenAI wire format: request bodies (validated) and their `SamplingParams`.
 
 Requests are pydantic models that ignore unknown fields, as OpenAI does. A value pydantic
 cannot read, or one `SamplingParams` refuses, becomes a 400 `ApiError` naming the field
@@ -8,33 +8,17 @@ cannot read, or one `SamplingParams` refuses, becomes a 400 `ApiError` naming th
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, StrictInt, field_validator
 
 from shoal.sampling import MAX_LOGPROBS, SamplingParams
+from shoal.serving.errors import bad_request, field_of
 from shoal.structured_output import StructuredOutput
 
 MAX_N = 128  # choices per request
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit)
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type_, code)
-
-    def body(self) -> dict:
-        # a message quoting the request's text stays encodable (a lone surrogate escaped)
-        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
-        return {"error": {"message": message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
 
 
 def _has_lone_surrogate(value) -> bool:
@@ -47,10 +31,6 @@ def _has_lone_surrogate(value) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_has_lone_surrogate(v) for v in value)
     return False
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
 
 
 class _Body(BaseModel):
@@ -372,12 +352,6 @@ def _check_max_tokens(value: int | None, param: str) -> None:
         raise bad_request(f"{param} must be at least 1, got {value}", param)
 
 
-def field_of(message: str) -> str | None:
-    """The request field a SamplingParams message names ("SamplingParams.top_p must...")."""
-    m = re.search(r"SamplingParams\.(\w+)", message)
-    return m.group(1) if m else None
-
-
 def for_prompt(sampling: SamplingParams, num_prompt_tokens: int, max_request_len: int,
                has_limit: bool, index: int) -> SamplingParams:
     """The sampling of choice `index` of one prompt: without a token limit, up to the end
@@ -392,29 +366,6 @@ def for_prompt(sampling: SamplingParams, num_prompt_tokens: int, max_request_len
         return replace(sampling, **changes) if changes else sampling
     except (TypeError, ValueError) as e:
         raise bad_request(str(e), field_of(str(e))) from e
-
-
-def validation_error(errors: list[dict]) -> ApiError:
-    """A 400 for what pydantic refused (FastAPI would answer 422): the first error, with
-    its location as the param ("messages.0.role")."""
-    if not errors:
-        return bad_request("invalid request body")
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    # a union (prompt: str | list[int] | ...) reports one error per member: name the field
-    loc = [x for x in loc if not re.match(r"^(str|list|int|float|bool)\b", x)]
-    param = ".".join(loc) or None
-    if e.get("type") == "json_invalid":
-        return bad_request(f"the body is not valid JSON: {e.get('msg')}")
-    what = param or "the body"  # the body itself (not a JSON object, say)
-    if e.get("type") == "missing":
-        return bad_request(f"{what} is required", param)
-    msg = str(e.get("msg", "")).removeprefix("Value error, ")
-    try:  # the value as the client wrote it (JSON), not as Python prints it
-        shown = json.dumps(e.get("input"), ensure_ascii=False)
-    except (TypeError, ValueError):
-        shown = repr(e.get("input"))
-    return bad_request(f"{what}: {msg} (got {shown:.80})", param)
 
 
 @dataclass(frozen=True)

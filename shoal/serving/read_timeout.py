@@ -16,7 +16,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from shoal.serving.openai_protocol import ApiError
+from shoal.serving.errors import ApiError
 
 DEFAULT_READ_TIMEOUT_S = 30.0
 

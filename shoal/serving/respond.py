@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shoal.serving.admission import QueueFull
 from shoal.serving.generation import EngineStopped, Generation
-from shoal.serving.openai_protocol import ApiError
+from shoal.serving.errors import ApiError
 from shoal.serving.responses import ResponseFormat
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from shoal.serving.openai_protocol import bad_request
+from shoal.serving.errors import bad_request
 from shoal.structured_output import StructuredOutput
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names

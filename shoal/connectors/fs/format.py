@@ -5,11 +5,8 @@
 
 A block file holds the bytes store/block_format.py describes (header, then payload).
 
-Nothing inside the pool can redirect Shoal: below the root (which the user names, and may
-be a link), every directory is opened with O_NOFOLLOW | O_DIRECTORY and every file
-relative to it (dir_fd), files with O_NOFOLLOW | O_NONBLOCK and checked with fstat. A link,
-FIFO, socket or device where Shoal expects its own directory or file is never followed,
-read, written, moved or deleted.
+Nothing inside the pool can redirect Shoal: everything below the root is opened the way
+safe_dir.py opens it, never through a link.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import errno
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,19 +27,11 @@ from shoal.connectors.store.block_format import (  # noqa: F401 (the pool's name
     DTYPE_CODES, FORMAT_VERSION, HEADER_SIZE, MAGIC, MAX_DIMS, MAX_PAYLOAD_BYTES, BlockHeader,
     BlockMissing, CorruptBlock, check_header, check_payload_size, checksum, encode_header,
     parse_header)
+from shoal.connectors.fs.safe_dir import (  # noqa: F401 (the pool's names)
+    DIR_FLAGS, DIR_MODE, FILE_MODE, BlockDirs, NotRegularFile, ensure_pool_dirs, entries,
+    entry_kind, open_pool_dir, open_regular_file, open_subdir)
 
-FILE_MODE = 0o600
-DIR_MODE = 0o700
 VERIFY_CHUNK = 8 << 20  # bytes hashed at a time when a whole file is checked
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-# O_NONBLOCK: a FIFO planted under a block's name opens at once (then fstat refuses it)
-# instead of waiting for a writer; O_NOCTTY: a device never becomes our terminal
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
-
-
-class NotRegularFile(OSError):
-    """An entry where Shoal expects one of its files is something else (a link, FIFO, socket,
-    device or directory): never opened for reading, never written through, moved or deleted."""
 
 
 def checksum_of_file(fd: int, offset: int, length: int) -> int:
@@ -71,82 +59,6 @@ def block_path_str(root: str, key: bytes) -> str:
     return f"{root}/blocks/{h[:2]}/{h}.kv"
 
 
-# -- opening what is inside the pool, never following links ----------------------------
-
-def open_pool_dir(root: Path | str, *names: str, create: bool = False) -> int:
-    """A directory fd of root/names[0]/names[1]/..., each below root opened without
-    following a link (root itself is followed: the user chose it), each after the first
-    relative to the one before. create: make missing ones, owner-only. Raises
-    FileNotFoundError if one is absent, NotADirectoryError if one is a link or not a
-    directory. The caller closes the fd."""
-    if not names:
-        return os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    # the first by path: one system call fewer than opening root, and as strict
-    fd = _open_subdir(None, os.path.join(root, names[0]), create)
-    try:
-        for name in names[1:]:
-            fd, parent = _open_subdir(fd, name, create), fd
-            os.close(parent)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_subdir(dir_fd: int | None, name: str, create: bool) -> int:
-    try:
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            if not create:
-                raise
-        try:
-            os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
-        except FileExistsError:
-            pass  # another process made it meanwhile (or a link is there: refused below)
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except NotADirectoryError:
-        raise NotADirectoryError(errno.ENOTDIR, f"{name}/ is a symbolic link or not a "
-                                 "directory (Shoal never follows links inside a pool)") from None
-
-
-def open_regular_file(name: str, dir_fd: int) -> tuple[int, os.stat_result]:
-    """Open a file for reading if it is a regular file: (fd, its fstat). FileNotFoundError if
-    absent; NotRegularFile for a link (never followed), FIFO (never waited on), socket,
-    device or directory. The caller closes the fd."""
-    try:
-        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENXIO):  # a link (O_NOFOLLOW); a socket
-            raise NotRegularFile(e.errno, f"{name} is not a regular file ({e.strerror})") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotRegularFile(errno.EINVAL, f"{name} is a {entry_kind(st.st_mode)}, "
-                             "not a regular file")
-    return fd, st
-
-
-def entry_kind(mode: int) -> str:
-    """What a directory entry is, in words (for reports)."""
-    for test, kind in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"),
-                       (stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return kind
-    return "device"
-
-
-def ensure_pool_dirs(root: Path) -> None:
-    """Create root (with its parents), root/blocks and root/quarantine, owner-only. OSError if
-    root cannot be a directory (a file in the way, no permission); NotADirectoryError if
-    blocks/ or quarantine/ is a link or not a directory."""
-    os.makedirs(root, mode=DIR_MODE, exist_ok=True)
-    for sub in ("blocks", "quarantine"):
-        os.close(open_pool_dir(root, sub, create=True))
-
-
 def is_block_file(path: str) -> bool:
     """Lookup hint: a regular file is published at this block path (from block_path_str) in a
     real directory; a link or anything else there is a miss. The read verifies the file."""
@@ -158,44 +70,6 @@ def is_block_file(path: str) -> bool:
 
 
 # -- blocks ------------------------------------------------------------------------------
-
-class BlockDirs:
-    """One process's open fds of root/blocks/<xx>, each opened once the way open_pool_dir
-    opens it (never through a link) and kept: a block read or write then opens no
-    directory. An fd always names the real directory it was opened on, so a directory
-    replaced later by a link is still never followed; one removed or replaced is looked up
-    afresh when a file is not found through it (`retire`). Thread-safe."""
-
-    def __init__(self, root: Path | str):
-        self.root = root
-        self._fds: dict[str, int] = {}
-        self._retired: list[int] = []  # closed at close(): another thread may be using one
-        self._lock = threading.Lock()
-
-    def fd(self, sub: str, create: bool = False) -> int:
-        fd = self._fds.get(sub)
-        if fd is not None:
-            return fd
-        fd = open_pool_dir(self.root, "blocks", sub, create=create)
-        with self._lock:
-            if sub in self._fds:  # another thread opened it meanwhile
-                self._retired.append(fd)
-            else:
-                self._fds[sub] = fd
-            return self._fds[sub]
-
-    def retire(self, sub: str, fd: int) -> None:
-        with self._lock:
-            if self._fds.get(sub) == fd:
-                del self._fds[sub]
-                self._retired.append(fd)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in [*self._fds.values(), *self._retired]:
-                os.close(fd)
-            self._fds, self._retired = {}, []
-
 
 def write_block(root: Path, namespace: bytes, key: bytes, payload: memoryview,
                 shape: tuple[int, ...], dtype: torch.dtype, dirs: BlockDirs | None = None) -> bool:
@@ -301,9 +175,9 @@ def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
 def _open_block(root: Path, h: str) -> tuple[int, os.stat_result]:
     # open_pool_dir(root, "blocks", h[:2]) spelled out: this runs for every block loaded
     try:
-        blocks_fd = os.open(f"{root}/blocks", _DIR_FLAGS)
+        blocks_fd = os.open(f"{root}/blocks", DIR_FLAGS)
         try:
-            dir_fd = os.open(h[:2], _DIR_FLAGS, dir_fd=blocks_fd)
+            dir_fd = os.open(h[:2], DIR_FLAGS, dir_fd=blocks_fd)
         finally:
             os.close(blocks_fd)
     except (FileNotFoundError, NotADirectoryError) as e:  # a link: never followed
@@ -405,7 +279,7 @@ def scan_blocks(root: Path) -> Iterator[PoolEntry]:
     except FileNotFoundError:
         return
     try:
-        for name, st in _entries(blocks_fd):
+        for name, st in entries(blocks_fd):
             if stat.S_ISDIR(st.st_mode) and _SUBDIR_NAME.fullmatch(name):
                 yield from _scan_subdir(blocks_fd, name)
             else:
@@ -418,11 +292,11 @@ def scan_blocks(root: Path) -> Iterator[PoolEntry]:
 
 def _scan_subdir(blocks_fd: int, sub: str) -> Iterator[PoolEntry]:
     try:
-        fd = _open_subdir(blocks_fd, sub, create=False)
+        fd = open_subdir(blocks_fd, sub, create=False)
     except (FileNotFoundError, NotADirectoryError):
         return  # removed or replaced since it was listed
     try:
-        for name, st in _entries(fd):
+        for name, st in entries(fd):
             yield PoolEntry(sub, name, _file_kind(sub, name, st.st_mode), st.st_size,
                             st.st_mtime, fd)
     finally:
@@ -436,19 +310,6 @@ def _file_kind(sub: str, name: str, mode: int) -> str:
     if named is None or not named[1].startswith(sub):  # a reader would never look there
         return "misnamed"
     return "block" if name.endswith(".kv") else "temp"
-
-
-def _entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
-    """(name, lstat) of a directory's entries, sorted; those removed meanwhile left out."""
-    with os.scandir(dir_fd) as it:
-        names = sorted(e.name for e in it)
-    out = []
-    for name in names:
-        try:
-            out.append((name, os.stat(name, dir_fd=dir_fd, follow_symlinks=False)))
-        except FileNotFoundError:
-            pass
-    return out
 
 
 def iter_block_files(root: Path) -> Iterator[Path]:
