@@ -61,6 +61,19 @@ def test_the_load_s_own_rate_overrides_earlier_loads():
     assert step.num_tokens == min(63 * BS, 8192) and step.drop_to == 63
 
 
+def test_the_first_landed_unit_is_not_taken_for_the_rate():
+    """A store with 50 ms to its first blocks and fast after: 16 blocks landed 60 ms in.
+    Over the whole wait that is ~4,300 tokens/s, slower than computing (5,000): the front
+    would take most of the rest. Counted from when blocks were due (the latency of earlier
+    loads) it is ~26,000: the load keeps the back. A load that is really slow still loses
+    it."""
+    p = planner(prefill=5000.0, load=100_000.0, latency=0.05)
+    fast = p.front_step(0, 0, 48, 64, started=0.0, now=0.06)
+    assert fast.drop_to <= 16, fast  # at most a third of what is left is computed
+    slow = p.front_step(0, 0, 48, 64, started=0.0, now=4.0)  # 256 tokens in 4 s: slow
+    assert slow.drop_to == 48, slow
+
+
 def test_no_word_from_a_first_load_is_waited_for_only_so_long():
     p = planner(prefill=1000.0)  # computing the 1024 tokens takes 1.024 s
     assert p.front_step(0, 0, 64, 64, started=0.0, now=0.3).num_tokens == 0

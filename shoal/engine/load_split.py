@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 SMOOTHING = 0.5  # weight of a new measurement in a rate
 MIN_PREFILL_TOKENS = 32  # a step measures the prefill rate if it computes this many
+# a load's own rate: at least this share of its wait counts as streaming (a first block
+# landing sooner than the usual latency must not make the rate look unbounded)
+MIN_STREAMING_SHARE = 0.25
 MAX_RATE_FILES = 64  # the newest kept: one per pool directory, and temporary pools come and go
 
 
@@ -146,10 +149,13 @@ class LoadPlanner:
     def _load_rate(self, num_landed: int, waited: float | None) -> tuple[float, float] | None:
         """(tokens/s, seconds before the first block lands) of the load from here: its own
         rate once it has landed something, before that the rates of earlier loads (None:
-        there were none)."""
-        if waited is not None and waited > 0 and num_landed > 0:
-            return num_landed / waited, 0.0
+        there were none). The own rate counts time from when a first block was due (the
+        measured first-block latency): right after the first block lands, landed / waited
+        would mostly measure that latency and take a fast store for a slow one."""
         L, F = self.load_tps.value, self.load_latency_s.value
+        if waited is not None and waited > 0 and num_landed > 0:
+            streaming = max(waited - (F or 0.0), waited * MIN_STREAMING_SHARE)
+            return num_landed / streaming, 0.0
         if L is None:
             return None
         return L, max((F or 0.0) - (waited or 0.0), 0.0)
