@@ -39,6 +39,37 @@ def make_tiny_llama(path: Path, name: str, seed: int = 0) -> Path:
     return path
 
 
+TINY_MOE = {
+    # name -> (transformers config class, its fields): Qwen3-MoE with one dense layer, Mixtral
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        intermediate_size=160, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=4,
+                                      num_experts_per_tok=2, eos_token_id=None, bos_token_id=None)),
+}
+
+
+def make_tiny_moe(path: Path, name: str, seed: int = 0) -> Path:
+    """Save a random mixture-of-experts checkpoint (the hub's layout: one tensor per expert)."""
+    import transformers
+
+    class_name, fields = TINY_MOE[name]
+    cfg = getattr(transformers, class_name)(
+        vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+        initializer_range=0.15, tie_word_embeddings=False, **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-moe")
+    return {name: make_tiny_moe(root / name, name) for name in TINY_MOE}
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

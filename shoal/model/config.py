@@ -8,6 +8,12 @@ few switches; `FAMILIES` names them and `ModelConfig` carries the switches:
     mistral   MistralForCausalLM       (llama)              -            -
     qwen2     Qwen2ForCausalLM         qwen2                yes          -
     qwen3     Qwen3ForCausalLM         qwen3                -            yes
+    qwen3_moe Qwen3MoeForCausalLM      -                    -            yes    routed experts
+    mixtral   MixtralForCausalLM       -                    -            -      routed experts
+
+The mixture-of-experts families replace the MLP of some layers (Qwen3-MoE: those its
+`decoder_sparse_step` and `mlp_only_layers` pick; Mixtral: all) with top-k routed experts
+(shoal/model/moe.py).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ FAMILIES = {
     "mistral": Family("MistralForCausalLM", qkv_bias=False, qk_norm=False),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
     "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True),
+    "mixtral": Family("MixtralForCausalLM", qkv_bias=False, qk_norm=False),
 }
 HF_ARCHITECTURES = {f.hf_architecture: name for name, f in FAMILIES.items()}
 
@@ -138,6 +146,12 @@ class ModelConfig:
     family: str = "llama"  # a key of FAMILIES
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # mixture of experts (0 experts: every layer has the dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # the top k of the router
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # the top k weights renormalised to sum to 1
+    moe_layers: tuple[int, ...] = field(default=())  # layers whose MLP is the experts
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -152,6 +166,16 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"ModelConfig.family must be one of {sorted(FAMILIES)}, "
                              f"got {self.family!r}")
+        if self.moe_layers:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts="
+                                 f"{self.num_experts}], got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size < 1:
+                raise ValueError("ModelConfig.moe_intermediate_size must be >= 1, got "
+                                 f"{self.moe_intermediate_size}")
+            if not all(0 <= i < self.num_layers for i in self.moe_layers):
+                raise ValueError(f"ModelConfig.moe_layers must be layer indices below "
+                                 f"{self.num_layers}, got {self.moe_layers}")
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): part of the model identity hashed into block keys."""
@@ -198,7 +222,28 @@ class ModelConfig:
             family=family,
             qkv_bias=FAMILIES[family].qkv_bias,
             qk_norm=FAMILIES[family].qk_norm,
+            **_hf_moe(cfg, family),
         )
+
+
+def _hf_moe(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a HF config (none for a dense family)."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return {}
+    # transformers 5 writes num_local_experts; the hub's Qwen3-MoE configs say num_experts
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    num_layers = cfg["num_hidden_layers"]
+    if family == "mixtral":
+        layers = tuple(range(num_layers)) if num_experts else ()
+        width, norm = cfg["intermediate_size"], True
+    else:
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        layers = tuple(i for i in range(num_layers)
+                       if num_experts and i not in dense and (i + 1) % step == 0)
+        width, norm = cfg.get("moe_intermediate_size", 0), bool(cfg.get("norm_topk_prob", False))
+    return dict(num_experts=num_experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
+                moe_intermediate_size=int(width), norm_topk_prob=norm, moe_layers=layers)
 
 
 def hf_family(cfg: dict[str, Any]) -> str:
@@ -240,7 +285,7 @@ def hf_sliding_window(cfg: dict[str, Any], family: str) -> int | None:
         return None
     if cfg.get("layer_types") is not None:
         slides = "sliding_attention" in cfg["layer_types"]
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         slides = True  # Mistral has no switch: a window set is a window used
     else:
         slides = bool(cfg.get("use_sliding_window"))

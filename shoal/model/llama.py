@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.model.config import ModelConfig
+from shoal.model.moe import SparseMoE
 
 
 @dataclass
@@ -255,7 +256,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        self.mlp = SparseMoE(cfg, shard) if layer_idx in cfg.moe_layers else MLP(cfg, shard)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         if meta.paged is None:  # the reference ops
@@ -274,8 +275,12 @@ def _whole(w: torch.Tensor) -> torch.Tensor:
 
 def check_shardable(cfg: ModelConfig, size: int, field: str = "tp_size") -> None:
     """ValueError unless `size` divides every dimension the split touches (ADP, named by
-    field="dp_size", splits only the MLP)."""
-    dims = [("intermediate_size", cfg.intermediate_size)]
+    field="dp_size", splits only the MLP: the dense one by columns, the experts by expert)."""
+    dims = []
+    if len(cfg.moe_layers) < cfg.num_layers:  # some layer has the dense MLP
+        dims.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.moe_layers:
+        dims.append(("num_experts", cfg.num_experts))
     if field == "tp_size":
         dims = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), *dims]
     for name, n in dims:
@@ -372,6 +377,9 @@ class LlamaModel(nn.Module):
                             take(hf + f"self_attn.{x}_norm.weight"))
                 own[p + "self_attn.o_proj.weight"].copy_(
                     attn_cols(take(hf + "self_attn.o_proj.weight")))
+                if i in self.cfg.moe_layers:  # the router and this rank's experts
+                    self.layers[i].mlp.load(take, used.add, hf, self.cfg.family)
+                    continue
                 own[p + "mlp.gate_up_proj.weight"].copy_(torch.cat(
                     [rows(take(hf + "mlp.gate_proj.weight")), rows(take(hf + "mlp.up_proj.weight"))]))
                 own[p + "mlp.down_proj.weight"].copy_(cols(take(hf + "mlp.down_proj.weight")))
