@@ -83,3 +83,16 @@ def test_moe_fields_from_a_hub_config():
         ModelConfig.from_hf({**base, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="dp_size=3 must divide the model's num_experts"):
         LlamaModel(ModelConfig.from_hf(base), Shard(rank=0, size=3, gather=lambda t: t))
+
+
+def test_pool_hits_under_adp_give_the_same_tokens(tiny_moe_models, expected, tmp_path):
+    """The KV pool with experts split over two owners: a restarted fleet loads the prompts'
+    blocks from the pool and answers as transformers does."""
+    prompts, want = expected["qwen3_moe"]
+    model, pool = str(tiny_moe_models["qwen3_moe"]), str(tmp_path / "pool")
+    for run in range(2):
+        with LLM(model, block_size=4, num_kv_blocks=128, dp_size=2, kv_pool=pool) as llm:
+            outs = llm.generate(prompts, SP)
+            loaded = sum(s["connector_tokens_loaded"] for s in llm.stats()["per_rank"])
+        assert [o.token_ids for o in outs] == want
+        assert (loaded > 0) == (run == 1), loaded
