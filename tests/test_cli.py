@@ -87,6 +87,19 @@ def test_serve_help_lists_only_tested_options():
     assert set(re.findall(r"--[a-z][a-z-]*", r.stdout)) - {"--help"} == SERVE_OPTIONS
 
 
+def test_serve_limit_flags_reach_the_server_limits():
+    """--read-timeout 0 turns the timer off; the places default to the engine's batch
+    (max batch size x data-parallel ranks) running and as many waiting."""
+    from shoal.cli import _server_limits, build_parser
+    args = build_parser().parse_args(["serve", "--read-timeout", "0", "--max-body-bytes", "99"])
+    limits = _server_limits(args)
+    assert limits.read_timeout_s is None and limits.max_body_bytes == 99
+    assert limits.places(64 * 2) == (128, 128)
+    args = build_parser().parse_args(["serve", "--max-concurrent-requests", "3", "--max-queue", "0"])
+    assert _server_limits(args).places(64) == (3, 0)
+    assert _server_limits(build_parser().parse_args(["serve"])).read_timeout_s == 30.0
+
+
 def test_engine_flags_reach_the_engine_config():
     from shoal.config import EngineConfig
     from shoal.cli import _engine_kwargs, build_parser
@@ -239,6 +252,21 @@ def test_bench_pool_io_runs_and_reports_ratios():
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["device"] == "cpu" and result["num_blocks"] == 8 and result["threads"] == 2
     assert result["load_gbps"] > 0 and result["save_gbps"] > 0 and result["load_over_raw"] > 0
+
+
+@pytest.mark.parametrize("grammar", ["regex", "json"])
+def test_bench_structured_runs_free_and_constrained(grammar):
+    """`shoal bench structured`: both runs decode every token, the constrained outputs
+    match their grammar; the ratio is the bench's figure (not asserted); a checkpoint
+    without a tokenizer is refused in one line."""
+    r = shoal("bench", "structured", "--num-prompts", "2", "--max-tokens", "6", "--rounds", "1",
+              "--grammar", grammar)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["grammar"] == grammar and result["outputs_matching"] == 1.0
+    assert result["free_decode_tokens_per_s"] > 0 and result["constrained_over_free"] > 0
+    r = shoal("bench", "structured", "--model", "random:smollm2-135m")
+    assert r.returncode == 2 and "tokenizer" in r.stderr
 
 
 def test_bench_ttft_on_a_random_checkpoint():
