@@ -853,7 +853,9 @@ def test_places_queue_429_and_stalled_clients(smollm2_path, smollm2):
     short = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
     try:
         with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
-            first = next(r.iter_lines())  # running: the one place is taken
+            # the iterator is kept: a dropped one closes the connection (a client gone)
+            lines = r.iter_lines()
+            first = next(lines)  # running: the one place is taken
             assert json.loads(first.removeprefix("data: "))["choices"], first
             results: list[httpx.Response] = []
             waiting = threading.Thread(target=lambda: results.append(
@@ -874,7 +876,8 @@ def test_places_queue_429_and_stalled_clients(smollm2_path, smollm2):
         assert results[0].json()["choices"][0]["text"] == ref
         # a waiter whose client leaves gives its turn up: the next request runs at once
         with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()
+            next(lines)
             body = json.dumps(short).encode()
             leaver = _raw(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                           b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 SUBMIT_THREADS = 64  # requests being tokenized and added at once
 METRICS_WAIT_S = 0.05  # /metrics waits this long for fresh engine stats, then uses the last
+FIRST_STATS_WAIT_S = 10.0  # ... unless there are none yet
 ABORT_WAIT_S = 5.0  # past the shutdown grace: how long the cut responses may take to end
 # the line on stderr once listening: "shoal serve: ready on http://HOST:PORT (model NAME)"
 READY_MESSAGE = "shoal serve: ready on"
@@ -178,7 +179,9 @@ class OpenAIServer:
         answer (the last stats read are used meanwhile)."""
         read = asyncio.get_running_loop().run_in_executor(self._control, self.llm.stats)
         read.add_done_callback(self._stats_read)
-        await asyncio.wait({read}, timeout=METRICS_WAIT_S)
+        # the first scrape has no earlier stats to show: it waits for these
+        await asyncio.wait({read}, timeout=METRICS_WAIT_S if self._stats is not None
+                           else FIRST_STATS_WAIT_S)
         stats = self._stats if not read.done() else self._stats_of(read)
         return Response(self.metrics.render(stats, self.admission),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
