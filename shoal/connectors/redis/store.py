@@ -7,7 +7,9 @@ The key hex is the fs pool's file name: the same block has the same name in both
 braces are a cluster hash tag: a block and its quarantine name live in one slot, so a
 bad value is renamed aside in one command on any deployment.
 
-- Publish: one `SET name value NX [EX ttl]`: whole or not at all, never overwriting.
+- Publish: one `SETNX name value` (`SET name value NX EX ttl` with a TTL): whole or not
+  at all, never overwriting. (A large value that ends its command is kept by Redis without
+  a copy: `SET ... NX` ran saves at 0.85-0.9 of a plain SET, SETNX at ~1.0, measured here.)
 - Lookup: `EXISTS` for every key of a request in one pipelined round trip.
 - Load: a unit's blocks in pipelined round trips of about PIPELINE_BYTES (`GET`, or
   `GETEX` with a TTL: a block in use stays), then each value is checked (header, length, checksum) as it is
@@ -145,8 +147,12 @@ class RedisStore(BlockStore):
         # memory: a fresh 720 KiB bytes per block (mapped, touched, unmapped) to join them
         # in ran saves at a third of the rate
         value = ValueParts(header, payload.cast("B"))
-        written = self._call(lambda c: c.set(self.name(key), value, nx=True, ex=self.ttl_s),
-                             writing=True)
+        name = self.name(key)
+        if self.ttl_s is None:  # SETNX: the value last, which Redis keeps without a copy
+            written = self._call(lambda c: c.setnx(name, value), writing=True)
+        else:
+            written = self._call(lambda c: c.set(name, value, nx=True, ex=self.ttl_s),
+                                 writing=True)
         return bool(written)
 
     def set_aside(self, key: bytes, error: CorruptBlock) -> None:

@@ -113,6 +113,11 @@ def make_client(target: RedisTarget, timeout_s: float, max_connections: int,
         timeout=timeout_s, **common))
 
 
+# a part of a value below this is copied into the command's text (one send, not two: each
+# send is a system call that gives up the GIL, and I/O threads then queue for it)
+SMALL_PART_BYTES = 6000
+
+
 class ValueParts:
     """One value given as the buffers it is made of (a block's header, then its payload):
     sent one after the other, never joined into a copy."""
@@ -136,8 +141,13 @@ def _packer():
             for arg in args:
                 if isinstance(arg, ValueParts):
                     small.append(b"$%d\r\n" % arg.nbytes)
-                    out += [b"".join(small), *arg.parts]
-                    small = [b"\r\n"]
+                    for part in arg.parts:  # small parts join the command's text: fewer sends
+                        if memoryview(part).nbytes < SMALL_PART_BYTES:
+                            small.append(bytes(part))
+                        else:
+                            out += [b"".join(small), part]
+                            small = []
+                    small.append(b"\r\n")
                 else:
                     arg = self.encode(arg)
                     small += [b"$%d\r\n" % len(arg), arg, b"\r\n"]
