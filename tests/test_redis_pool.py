@@ -423,8 +423,10 @@ def test_redis_cluster_of_three_nodes(tiny_model, workload, baseline, tmp_path):
             c.set(k, _flip(c.get(k), b""))
             break
         tokens, outs, second = run(tiny_model, workload, whole(url))
-        assert tokens == baseline and second["corrupt_blocks"] == 1
+        # set aside once; counted once per request that read it (a shared block: up to 3)
+        assert tokens == baseline and 1 <= second["corrupt_blocks"] <= len(workload)
         assert second["store_set_aside"] == 1
+        assert len(owner[k].client().keys("shoal:quarantine:*")) == 1  # in its own node
         tokens, outs, third = run(tiny_model, workload, whole(url))
         assert tokens == baseline and [o.num_connector_tokens for o in outs] == [40, 44, 40]
         # one seed node is enough with cluster=True: the client learns the others
