@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from shoal.util import to_device
+
 
 class TokenCounts:
     """Per request, how often each token id was produced ([vocab] int32) and which ids its
@@ -35,7 +37,7 @@ class TokenCounts:
             self.counts[row].zero_()
             self.in_prompt[row].zero_()
             if prompt_token_ids:
-                ids = torch.tensor(prompt_token_ids, dtype=torch.long, device=self.device)
+                ids = to_device(prompt_token_ids, self.device)
                 self.in_prompt[row].index_fill_(0, ids, True)
         return row
 
@@ -75,8 +77,8 @@ def add_at(logits: torch.Tensor, rows: list[int], token_ids: list[int],
     """logits[rows[i], token_ids[i]] += values[i], in place (one launch for all rows)."""
     if rows:
         device = logits.device
-        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)),
-                          torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+        logits.index_put_((to_device(rows, device), to_device(token_ids, device)),
+                          to_device(values, device, logits.dtype), accumulate=True)
     return logits
 
 

@@ -47,7 +47,8 @@ class PoolHit:
     num_front_tokens: int = 0  # of them computed by the engine (the front)
     num_loaded_tokens: int = 0  # of them loaded and used (the rest was recomputed)
     prefill_tokens_per_s: float = 0.0  # the rates the decision used (0: not measured yet)
-    load_tokens_per_s: float = 0.0
+    load_tokens_per_s: float = 0.0  # this hit's: the store's and host memory's, weighed
+    num_host_tokens: int = 0  # of the matched tokens, expected from the worker's host memory
 
 
 @dataclass

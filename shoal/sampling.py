@@ -12,6 +12,7 @@ import torch
 
 from shoal.logits_processing import TokenCounts, add_at, apply_penalties, min_p_filter
 from shoal.structured_output import Grammars, StructuredOutput, allowed_tokens
+from shoal.util import HostCopy, to_device
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch.Generator takes
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
@@ -207,10 +208,10 @@ class Sampler:
         self._draws: dict[str, tuple[int, int]] = {}  # rid -> (seed, draws so far)
         self._num_sampled: dict[str, int] = {}  # rid -> tokens sampled (min_tokens requests)
         self._counts: TokenCounts | None = None  # output tokens of penalised requests
-        # the last call's constrained rows: (request ids, their tokens on the device), read
-        # and given to the matchers at the next call (by then the device has long sampled
-        # them: the forward of that next step runs while the masks are computed)
-        self._unread: tuple[list[str], torch.Tensor] | None = None
+        # the last call's constrained rows: (request ids, their tokens on their way to the
+        # host), given to the matchers at the next call, on the mask thread, which waits
+        # for that copy only (the forward of the next step runs meanwhile)
+        self._unread: tuple[list[str], HostCopy] | None = None
         # the masks `prepare` is computing on a worker thread: (request ids, future)
         self._masks: tuple[list[str], Future] | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
@@ -245,29 +246,29 @@ class Sampler:
         logits, counted = self._shape(logits, rows)
         structured = [i for i, sp in enumerate(params) if sp.structured_output is not None]
         if structured:
-            logits = self._constrain(logits, rows, structured)
+            logits, structured_index = self._constrain(logits, rows, structured)
         tokens = logits.argmax(dim=-1)
         picked = [i for i, sp in enumerate(params) if not sp.is_greedy]
         if picked:
             device = logits.device
             sub = [params[i] for i in picked]
-            index = torch.tensor(picked, device=device)
-            scaled = logits.index_select(0, index) / torch.tensor(
-                [sp.temperature for sp in sub], device=device)[:, None]
+            index = to_device(picked, device)
+            scaled = logits.index_select(0, index) / to_device(
+                [sp.temperature for sp in sub], device, logits.dtype)[:, None]
             if any(sp.min_p for sp in sub):
-                scaled = min_p_filter(scaled, torch.tensor([sp.min_p for sp in sub],
-                                                           device=device))
+                scaled = min_p_filter(scaled, to_device([sp.min_p for sp in sub], device,
+                                                        logits.dtype))
             filtered = _top_k_top_p(scaled, [sp.top_k for sp in sub], [sp.top_p for sp in sub])
             seeds, draws = zip(*(self._next_draw(rows[i].request_id, params[i]) for i in picked))
-            noise = gumbel_noise(torch.tensor(seeds, device=device),
-                                 torch.tensor(draws, device=device), logits.shape[1])
+            noise = gumbel_noise(to_device(seeds, device), to_device(draws, device),
+                                 logits.shape[1])
             tokens[index] = (filtered.double() + noise).argmax(dim=-1)
         if counted is not None:  # the penalised rows' counts take their new tokens
             index, slab_rows = counted
             self._counts.add(slab_rows, tokens.index_select(0, index))
         if structured:
             self._unread = ([rows[i].request_id for i in structured],
-                            tokens[torch.tensor(structured, device=tokens.device)])
+                            HostCopy(tokens.index_select(0, structured_index)))
         for r in rows:
             if r.sampling.min_tokens:
                 self._num_sampled[r.request_id] = self._num_sampled.get(r.request_id, 0) + 1
@@ -288,9 +289,10 @@ class Sampler:
             self._unread = None
             self.grammars.advance(request_ids, tokens.tolist())
 
-    def _constrain(self, logits: torch.Tensor, rows, structured: list[int]) -> torch.Tensor:
-        """The structured rows' logits with every token their grammar forbids at -inf; a
-        row left with no token gets its first stop token (it ends; never a failure)."""
+    def _constrain(self, logits: torch.Tensor, rows, structured: list[int]):
+        """(logits with every token the structured rows' grammars forbid at -inf, those
+        rows' index on the device). A row left with no token gets its first stop token
+        (it ends; never a failure)."""
         if self.grammars is None:
             raise RuntimeError("structured output needs the model's tokenizer")
         device, vocab = logits.device, logits.shape[1]
@@ -300,13 +302,13 @@ class Sampler:
         if not prepared:  # not started by `prepare` (or for other rows): here
             bitmask = self._fill_masks(sub_rows)
         allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab)
-        index = torch.tensor(structured, device=device)
+        index = to_device(structured, device)
         sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-        stop = torch.tensor([min(r.stop_token_ids, default=0) for r in sub_rows], device=device)
+        stop = to_device([min(r.stop_token_ids, default=0) for r in sub_rows], device)
         dead = torch.isinf(sub.max(dim=1).values)
         at = (torch.arange(len(sub_rows), device=device), stop)
         sub.index_put_(at, torch.where(dead, 0.0, sub[at]))
-        return logits.index_copy(0, index, sub)
+        return logits.index_copy(0, index, sub), index
 
     def _shape(self, logits: torch.Tensor, rows):
         """(logits with each row's own settings applied, (batch rows, slab rows) of the
@@ -324,14 +326,14 @@ class Sampler:
         if penalised:
             if self._counts is None:
                 self._counts = TokenCounts(vocab, device)
-            slab_rows = torch.tensor([self._counts.row(rows[i].request_id, rows[i].prompt_token_ids)
-                                      for i in penalised], device=device)
-            index = torch.tensor(penalised, device=device)
+            slab_rows = to_device([self._counts.row(rows[i].request_id, rows[i].prompt_token_ids)
+                                   for i in penalised], device)
+            index = to_device(penalised, device)
             sp = [rows[i].sampling for i in penalised]
             logits.index_copy_(0, index, apply_penalties(
                 logits.index_select(0, index), self._counts.counts.index_select(0, slab_rows),
                 self._counts.in_prompt.index_select(0, slab_rows),
-                *(torch.tensor([getattr(s, name) for s in sp], device=device) for name in
+                *(to_device([getattr(s, name) for s in sp], device, logits.dtype) for name in
                   ("repetition_penalty", "frequency_penalty", "presence_penalty"))))
             counted = (index, slab_rows)
         cells = [(i, t, b) for i in biased for t, b in rows[i].sampling.logit_bias]
@@ -357,12 +359,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
-    k = torch.tensor([min(k, vocab) if k else vocab for k in top_k], device=logits.device)
+    k = to_device([min(k, vocab) if k else vocab for k in top_k], logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)[:, None]
+    p = to_device(top_p, logits.device, probs.dtype)[:, None]
     drop |= (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -143,6 +143,6 @@ class Grammars:
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, vocab] bool from an [R, words] int32 bitmask (on the bitmask's device)."""
-    bits = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32,
-                        device=bitmask.device)  # bit 31 is int32's sign
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = torch.ones_like(shifts) << shifts  # made on the device (no host copy); 1 << 31 wraps
     return (bitmask[:, :, None] & bits != 0).flatten(1)[:, :vocab_size]

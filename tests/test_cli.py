@@ -293,6 +293,7 @@ def test_bench_ttft_from_the_tier_with_capped_reads():
     assert result["tokens_loaded"] == 48 and "reads capped at 0.5 GB/s" in r.stdout
     hit = result["split"]
     assert hit["front_tokens"] + hit["loaded_tokens"] == 48
+    assert hit["host_tokens"] == 48  # the engine expected all of it from host memory
 
 
 def test_bench_pool_io_and_ttft_on_a_redis_pool(redis_url):

@@ -353,7 +353,47 @@ def test_engine_repeat_hits_come_from_the_tier(tiny_model, tmp_path, tier_blocks
     assert first == expected and [o.token_ids for o in again] == expected
     assert [o.num_connector_tokens for o in again] == [40, 36]
     assert stats["blocks_loaded"] == 19
+    # the scheduler side expects what the tier holds: the blocks it sent (saves, loads),
+    # as many as fit
+    host = [o.pool_hit.num_host_tokens for o in again]
     if tier_blocks == 64:
         assert stats["host_tier_hit_blocks"] == 19  # every block loaded came from memory
+        assert host == [40, 36] and stats["pool_hit_host_tokens"] == 76
     else:  # at most 6 from memory, the rest read from their files
         assert stats["host_tier_hit_blocks"] <= 6
+        assert all(n <= 6 * 4 for n in host)
+
+
+def pin_load_rates(llm: LLM, prefill: float, store: float, host: float) -> None:
+    """The planner decides from these rates and measures nothing."""
+    p = llm.engine.transfers.planner
+    p.prefill_tps.value, p.load_tps.value, p.host_load_tps.value = prefill, store, host
+    p.load_latency_s.value = p.host_load_latency_s.value = 0.0
+    p.prefill_overhead_s = 0.0
+    p.observe_prefill = p.observe_load = lambda *a, **k: None
+
+
+def test_a_hit_in_host_memory_is_loaded_where_one_from_files_is_computed(tiny_model, tmp_path):
+    """Store reads slower than computing, host memory far faster: the same prompt's hit is
+    computed by a fresh engine (its tier is empty) and loaded by one that saved it."""
+    prompt = random_prompts(512, [41], seed=4)
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate(prompt, SP)]
+        tier_bytes = 64 * llm.engine.kv_cache.layout.block_nbytes
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path), "host_tier_bytes": tier_bytes})
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        pin_load_rates(llm, prefill=400.0, store=4.0, host=1e7)
+        assert [o.token_ids for o in llm.generate(prompt, SP)] == expected  # saved
+        again = llm.generate(prompt, SP)[0]
+        llm.check_integrity()
+    assert again.token_ids == expected[0]
+    assert again.pool_hit.decision == "load" and again.pool_hit.num_host_tokens == 40
+    assert again.num_connector_tokens == 40
+    assert again.pool_hit.load_tokens_per_s == 1e7  # the rate the decision weighed
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:  # a new process: an empty tier
+        pin_load_rates(llm, prefill=400.0, store=4.0, host=1e7)
+        fresh = llm.generate(prompt, SP)[0]
+        llm.check_integrity()
+    assert fresh.token_ids == expected[0]
+    assert fresh.pool_hit.decision == "compute" and fresh.pool_hit.num_host_tokens == 0
+    assert fresh.num_connector_tokens == 0

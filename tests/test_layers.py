@@ -30,8 +30,8 @@ ALLOWED = {
     "shoal.parallel": ("shoal.parallel", "shoal.engine", "shoal.kv", "shoal.model", *CONTRACT,
                        *RECORDS),
     "shoal.request": ("shoal.sampling",),
-    "shoal.sampling": ("shoal.logits_processing", "shoal.structured_output"),
-    "shoal.logits_processing": (),
+    "shoal.sampling": ("shoal.logits_processing", "shoal.structured_output", "shoal.util"),
+    "shoal.logits_processing": ("shoal.util",),
     "shoal.structured_output": (),
     "shoal.config": ("shoal.connectors.base",),
     # the library's front: the engine (one rank) or a fleet, on the driver thread

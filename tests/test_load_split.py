@@ -99,14 +99,47 @@ def test_measurements_move_the_rates():
     assert p.load_tps.value == pytest.approx(1024 / 0.8)
 
 
+def test_each_load_teaches_the_rate_of_its_source():
+    p = planner()
+    p.observe_load(1024, 1.0, first_landed_s=0.0, host_share=1.0)  # all from host memory
+    assert p.host_load_tps.value == 1024.0 and p.load_tps.value is None
+    p.observe_load(512, 1.0, first_landed_s=0.0, host_share=0.0)  # all from the store
+    assert p.load_tps.value == 512.0 and p.host_load_tps.value == 1024.0
+    # half and half in 1.5 s: the host half took 0.5 s at its known rate, the store's 1 s
+    q = planner()
+    q.host_load_tps.value = 1024.0
+    q.observe_load(1024, 1.5, first_landed_s=0.0, host_share=0.5)
+    assert q.load_tps.value == pytest.approx(512.0) and q.host_load_tps.value == 1024.0
+    # the other way round: the store's rate known, the host's learnt
+    r = planner(load=512.0)
+    r.observe_load(1024, 1.5, first_landed_s=0.0, host_share=0.5)
+    assert r.host_load_tps.value == pytest.approx(1024.0) and r.load_tps.value == 512.0
+    planner().observe_load(1024, 1.5, first_landed_s=0.0, host_share=0.5)  # neither: nothing
+
+
+def test_a_hit_weighs_the_two_load_rates_by_its_share_of_each():
+    p = planner(prefill=10_000.0, load=100.0)  # the store is far slower than computing
+    p.host_load_tps.value, p.host_load_latency_s.value = 1e6, 0.0  # host memory far faster
+    assert p.admit(0, 64).load_from == 64  # from the store: computed
+    d = p.admit(0, 64, host_share=1.0)  # from host memory: loaded, the front waits
+    assert d.load_from == 0 and d.first.num_tokens == 0
+    assert p.expected_rate(0.5) == pytest.approx((1 / (0.5 / 1e6 + 0.5 / 100.0), 0.0))
+    # half from the store: L = 200/s, the load takes n * L / (C + L) = 20 tokens' worth: 2 blocks
+    assert p.admit(0, 64, host_share=0.5).load_from == 62
+    q = planner(prefill=10_000.0, load=100.0)  # host memory not measured yet: as the store
+    assert q.expected_rate(1.0) == (100.0, 0.0) and q.admit(0, 64, host_share=1.0).load_from == 64
+
+
 def test_rates_are_kept_for_the_next_run(tmp_path):
     path = tmp_path / "rates" / "x.json"
     p = planner(prefill=123.0, load=456.0, latency=0.5)
     p.prefill_overhead_s = 0.01
+    p.host_load_tps.value, p.host_load_latency_s.value = 789.0, 0.25
     p.save(path)
     q = planner()
     q.restore(path)
     assert (q.prefill_tps.value, q.load_tps.value, q.load_latency_s.value) == (123.0, 456.0, 0.5)
+    assert (q.host_load_tps.value, q.host_load_latency_s.value) == (789.0, 0.25)
     assert q.prefill_overhead_s == 0.01
     path.write_text(json.dumps({"prefill_tps": "fast", "load_tps": True}))  # garbage: ignored
     r = planner()

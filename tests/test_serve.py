@@ -723,7 +723,9 @@ def test_metrics_names(server):
                  "shoal:pool_hits_loaded_total", "shoal:pool_hits_split_total",
                  "shoal:pool_hits_computed_total", "shoal:pool_front_tokens_computed_total",
                  "shoal:prefill_tokens_per_second", "shoal:pool_load_tokens_per_second",
-                 "shoal:pool_load_latency_seconds"):
+                 "shoal:pool_load_latency_seconds", "shoal:pool_hit_host_tokens_total",
+                 "shoal:pool_host_load_tokens_per_second",
+                 "shoal:pool_host_load_latency_seconds"):
         assert name in text, name
     assert 'owner="0"' in text
     # the metrics vLLM has, also under its names (dashboards built for vLLM read them)

@@ -32,7 +32,8 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                     "prefix of its own, deleted afterwards; default: a temporary directory)")
     tt.add_argument("--source", choices=["files", "tier"], default="files",
                     help="where the hit comes from: files (page cache; default) or the host "
-                    "tier (the engine loaded the prompt once before)")
+                    "tier (the engine computed and saved the prompt just before, under a "
+                    "cache salt of its own)")
     model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
                 num_prompts=16, max_tokens=64)
     st = model_bench("structured", "decode tokens/s with every request under a grammar vs "

@@ -19,6 +19,7 @@ from shoal.request import RequestOutput
 from shoal.util import cdiv
 
 ONE = SamplingParams(max_tokens=1)
+CPU_TIER_BYTES = 1 << 30  # --source tier on a CPU (a GPU's default tier is larger)
 
 
 def _prompt(llm: LLM, num_tokens: int) -> list[int]:
@@ -60,9 +61,10 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     and computed from the front while the back loads (the default); and the floor
     n / (C + L), with C and L the rates the first two imply. `pool_read_gbps` caps the
     pool's reads (a slow or shared store). `pool`: a redis:// URL to run on (default: a
-    temporary directory). `source="tier"`: the hit comes from the
-    host tier (the engine loads the prompt once from files first; prefix caching is off
-    so the second request goes to the pool again). tp > 1: every engine is a TP fleet. On a
+    temporary directory). `source="tier"`: the hit comes from the host tier: the engine
+    first computes the prompt under a cache salt of its own (a miss: it is saved through
+    the tier, which keeps it), then the timed request with the same salt hits the blocks
+    the tier holds (prefix caching is off, so it goes to the pool). tp > 1: every engine is a TP fleet. On a
     GPU the prompt is prefilled in one chunk and decode graphs are not captured."""
     kw = dict(device=device, tp_size=tp)
     if device.startswith("cuda"):
@@ -71,13 +73,17 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     if source == "tier":
         kw.update(enable_prefix_caching=False)
     options = {} if pool_read_gbps is None else {"max_read_gbps": pool_read_gbps}
+    if source == "tier" and not device.startswith("cuda"):  # a CPU's default is no tier
+        options["host_tier_bytes"] = CPU_TIER_BYTES
     with bench_pool(pool, **options) as connector:
         def pool_engine(**connector_fields) -> LLM:
             return LLM(model, kv_connector=connector(**connector_fields), **kw)
 
         def pool_ttft(llm: LLM) -> RequestOutput:
-            if source == "tier":  # the first load brings it into the tier
-                llm.generate([prompt], ONE)
+            if source == "tier":  # computed and saved: the tier keeps what it saved
+                salt = os.urandom(8).hex()
+                llm.generate([prompt], ONE, cache_salt=salt)
+                return llm.generate([prompt], ONE, cache_salt=salt)[0]
             return llm.generate([prompt], ONE)[0]
 
         with pool_engine() as llm:  # computes and saves
@@ -116,7 +122,8 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
             "decision": last.decision, "front_tokens": last.num_front_tokens,
             "loaded_tokens": last.num_loaded_tokens,
             "prefill_tokens_per_s": round(last.prefill_tokens_per_s),
-            "load_tokens_per_s": round(last.load_tokens_per_s)},
+            "load_tokens_per_s": round(last.load_tokens_per_s),
+            "host_tokens": last.num_host_tokens},
         "first_run_s": round(first_s, 4),
         **{f"all_{k}_s": [round(x, 4) for x in v] for k, v in runs.items()},
     }

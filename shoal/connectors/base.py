@@ -74,6 +74,7 @@ class ConnectorContext:
     block_size: int  # token slots per block
     namespace: str  # hex of the block-key namespace (model, dtype, block size, layout, TP size)
     device: str  # where the KV cache lives
+    block_nbytes: int = 0  # bytes of one block's KV on this rank (0: not known)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,13 @@ class KvConnectorScheduler(abc.ABC):
         has started on (in the next plan); blocks already being copied still land. Called
         after update_state_after_alloc, any number of times, with growing num_blocks."""
         raise NotImplementedError(f"{type(self).__name__} does not support partial loads")
+
+    def get_num_matched_host_tokens(self, request: RequestView) -> int:
+        """Of the tokens the last get_num_new_matched_tokens offered `request`, how many the
+        worker side probably holds in host memory (they load faster than the store's): the
+        engine weighs the two load rates by it when it splits a hit (SPEC 3.1). A guess,
+        never a promise; 0 (the default): none, or not known."""
+        return 0
 
     def stats(self) -> dict[str, float]:
         """Counters this side keeps (e.g. pool_lookups); summed into LLM.stats()."""

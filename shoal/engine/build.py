@@ -122,7 +122,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
                                owner_rank=topo.owner_rank, num_owners=topo.num_owners,
                                shard_rank=topo.shard_rank, num_shards=topo.num_shards,
                                block_size=config.block_size, namespace=namespace.hex(),
-                               device=str(device))
+                               device=str(device), block_nbytes=layout.block_nbytes)
         transfers = KVTransfers(config.kv_connector, ctx, KVCacheRegistration(kv_cache.tensor, layout),
                                 kv_manager.pool, peers.agreement, config.max_num_tokens,
                                 on_stuck)

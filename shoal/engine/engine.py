@@ -47,9 +47,11 @@ STAT_KEYS = (
     "kv_blocks_used", "control_seconds", "forward_seconds", "transfers_aborted",
     "host_tier_hit_blocks", "pool_hits_loaded", "pool_hits_split", "pool_hits_computed",
     "front_tokens_computed", "prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s",
+    "host_load_tokens_per_s", "host_load_latency_s", "pool_hit_host_tokens",
 )
 # gauges of a rate, not counts: across ranks, the mean of those that measured one (0: none)
-RATE_STATS = ("prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s")
+RATE_STATS = ("prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s",
+              "host_load_tokens_per_s", "host_load_latency_s")
 
 
 class EngineLike(Protocol):

@@ -19,7 +19,11 @@ The rates are exponentially weighted averages: the prefill rate and a forward's 
 from two forwards at bring-up (where the engine can run one) and from steps that are
 mostly prefill with no load pending (a load's I/O threads slow the steps they overlap),
 the load rate and latency from each finished load, and all of them from the last run
-(kept per model, device and connector options). While a rate is unknown the load goes on
+(kept per model, device and connector options). Loads have two rates: from the store and
+from host memory (blocks the worker keeps in its host tier, as the connector's scheduler
+side expects: `get_num_matched_host_tokens`), often 5-10x apart on a GPU; a hit's rate
+weighs the two by its share of each, and a finished load teaches the rate of the source
+most of it came from. While a rate is unknown the load goes on
 and the front waits (but no longer than half the time computing it all takes). Under TP
 every rank must decide alike: the lead rank's planner decides (KVTransfers shares its
 answers).
@@ -44,6 +48,10 @@ MIN_PREFILL_TOKENS = 32  # a step measures the prefill rate if it computes this 
 # landing sooner than the usual latency must not make the rate look unbounded)
 MIN_STREAMING_SHARE = 0.25
 MAX_RATE_FILES = 64  # the newest kept: one per pool directory, and temporary pools come and go
+# a finished load teaches one source's rate: the one at least this share of it came from
+# (a mixed load teaches the other source's rate once one of the two is known)
+ONE_SOURCE_SHARE = 0.9
+RATE_NAMES = ("prefill_tps", "load_tps", "load_latency_s", "host_load_tps", "host_load_latency_s")
 
 
 @dataclass
@@ -77,8 +85,10 @@ class LoadPlanner:
         self.max_num_tokens = max_num_tokens
         self.prefill_tps = Ewma()  # tokens/s of prefill forwards, past their fixed cost
         self.prefill_overhead_s = 0.0  # a forward's fixed cost (launches, weight reads)
-        self.load_tps = Ewma()  # tokens/s of loads once their first blocks landed
+        self.load_tps = Ewma()  # tokens/s of loads from the store once their first blocks landed
         self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
+        self.host_load_tps = Ewma()  # the same, of loads from the worker's host memory
+        self.host_load_latency_s = Ewma()
 
     # -- measurements ----------------------------------------------------------------------
 
@@ -99,35 +109,54 @@ class LoadPlanner:
         if num_tokens >= MIN_PREFILL_TOKENS and busy > seconds / 4:
             self.prefill_tps.add(num_tokens / busy)
 
-    def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None) -> None:
+    def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,
+                     host_share: float = 0.0) -> None:
         """A finished load: `num_tokens` landed in `seconds`, the first of them after
-        `first_landed_s` (None: not seen before the load finished)."""
+        `first_landed_s` (None: not seen before the load finished); `host_share` of them
+        were expected from host memory."""
         if num_tokens <= 0:
             return
         latency = min(first_landed_s if first_landed_s is not None else 0.0, seconds)
+        streaming = max(seconds - latency, seconds / 2)
+        if host_share >= ONE_SOURCE_SHARE:
+            self.host_load_latency_s.add(max(latency, 1e-6))
+            self.host_load_tps.add(num_tokens / streaming)
+            return
         self.load_latency_s.add(max(latency, 1e-6))
-        self.load_tps.add(num_tokens / max(seconds - latency, seconds / 2))
+        if host_share <= 1 - ONE_SOURCE_SHARE:
+            self.load_tps.add(num_tokens / streaming)
+            return
+        # mixed: what the known source's part did not take was the other's
+        host, store = num_tokens * host_share, num_tokens * (1 - host_share)
+        Lh, Ls = self.host_load_tps.value, self.load_tps.value
+        if Lh is not None and streaming - host / Lh > 0:
+            self.load_tps.add(store / (streaming - host / Lh))
+        elif Ls is not None and streaming - store / Ls > 0:
+            self.host_load_tps.add(host / (streaming - store / Ls))
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def admit(self, first: int, end: int) -> LoadDecision:
-        """A hit of blocks [first, end) of a request that can compute while loading."""
-        step = self.front_step(first * self.block_size, first, end, end, None, 0.0)
+    def admit(self, first: int, end: int, host_share: float = 0.0) -> LoadDecision:
+        """A hit of blocks [first, end) of a request that can compute while loading,
+        `host_share` of it expected from host memory."""
+        step = self.front_step(first * self.block_size, first, end, end, None, 0.0, host_share)
         if step.drop_to >= end:  # computing it all is faster: nothing is loaded
             return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
 
     def front_step(self, front: int, writes_from: int, landed_from: int, end: int,
-                   started: float | None, now: float) -> FrontStep:
+                   started: float | None, now: float, host_share: float = 0.0) -> FrontStep:
         """The front at token `front` of a hit ending at block `end`; the load may still
         write blocks [writes_from, landed_from) and has landed the rest; it started at
-        `started` (None: it has not started yet)."""
+        `started` (None: it has not started yet); `host_share` of the hit is expected from
+        host memory."""
         bs = self.block_size
         C = self.prefill_tps.value
         remaining = landed_from * bs - front  # tokens between the front and the landed blocks
         if C is None or remaining <= 0:  # the prefill rate is unknown: the load goes on
             return FrontStep(0, 0)
-        rate = self._load_rate((end - landed_from) * bs, None if started is None else now - started)
+        rate = self._load_rate((end - landed_from) * bs, None if started is None else now - started,
+                               host_share)
         if rate is None:  # nothing known of the load yet: the front waits for a first word,
             # but no longer than half the time it takes to compute it all (a dead-slow store)
             if started is not None and 2 * (now - started) >= remaining / C:
@@ -146,26 +175,41 @@ class LoadPlanner:
         # the load from where the share ends
         return FrontStep(min(share, self.max_num_tokens), cdiv(front + share, bs))
 
-    def _load_rate(self, num_landed: int, waited: float | None) -> tuple[float, float] | None:
+    def expected_rate(self, host_share: float) -> tuple[float, float] | None:
+        """(tokens/s, seconds to the first landed block) of a load with `host_share` of its
+        blocks in host memory, from earlier loads (None: nothing known). The host memory's
+        blocks go first; a source not measured yet is taken to be as fast as the store."""
+        Ls, Fs = self.load_tps.value, self.load_latency_s.value
+        Lh, Fh = self.host_load_tps.value, self.host_load_latency_s.value
+        if host_share <= 0 or Lh is None:
+            return None if Ls is None else (Ls, Fs or 0.0)
+        if host_share >= 1:
+            return Lh, Fh or 0.0
+        if Ls is None:
+            return None
+        return 1 / (host_share / Lh + (1 - host_share) / Ls), Fh or 0.0
+
+    def _load_rate(self, num_landed: int, waited: float | None,
+                   host_share: float = 0.0) -> tuple[float, float] | None:
         """(tokens/s, seconds before the first block lands) of the load from here: its own
         rate once it has landed something, before that the rates of earlier loads (None:
         there were none). The own rate counts time from when a first block was due (the
         measured first-block latency): right after the first block lands, landed / waited
         would mostly measure that latency and take a fast store for a slow one."""
-        L, F = self.load_tps.value, self.load_latency_s.value
+        expected = self.expected_rate(host_share)
+        F = expected[1] if expected is not None else self.load_latency_s.value
         if waited is not None and waited > 0 and num_landed > 0:
             streaming = max(waited - (F or 0.0), waited * MIN_STREAMING_SHARE)
             return num_landed / streaming, 0.0
-        if L is None:
+        if expected is None:
             return None
-        return L, max((F or 0.0) - (waited or 0.0), 0.0)
+        return expected[0], max(expected[1] - (waited or 0.0), 0.0)
 
     # -- the last run's rates ------------------------------------------------------------
 
     def save(self, path: Path) -> None:
         """Keep the measured rates for the next engine of the same model and pool."""
-        rates = {"prefill_tps": self.prefill_tps.value, "load_tps": self.load_tps.value,
-                 "load_latency_s": self.load_latency_s.value}
+        rates = {name: getattr(self, name).value for name in RATE_NAMES}
         if all(v is None for v in rates.values()):
             return
         rates["prefill_overhead_s"] = self.prefill_overhead_s
@@ -186,7 +230,7 @@ class LoadPlanner:
             return
         if not isinstance(rates, dict):
             return
-        for name in ("prefill_tps", "load_tps", "load_latency_s"):
+        for name in RATE_NAMES:
             value = rates.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 getattr(self, name).add(float(value))
@@ -197,7 +241,9 @@ class LoadPlanner:
     def stats(self) -> dict[str, float]:
         return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
                 "load_tokens_per_s": self.load_tps.value or 0.0,
-                "load_latency_s": self.load_latency_s.value or 0.0}
+                "load_latency_s": self.load_latency_s.value or 0.0,
+                "host_load_tokens_per_s": self.host_load_tps.value or 0.0,
+                "host_load_latency_s": self.host_load_latency_s.value or 0.0}
 
 
 def _prune(folder: Path) -> None:

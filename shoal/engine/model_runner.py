@@ -26,33 +26,15 @@ import torch
 from shoal.engine.cuda_graphs import DecodeGraphs, StepInputs
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.kv.kv_cache import KVCache
-from shoal.util import cdiv
+from shoal.util import HostCopy, cdiv
 from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs, PrefillSeq
 from shoal.model.paged_attention import HAS_TRITON
 from shoal.sampling import Sampler, TokenLogprobs, compute_logprobs
 
 
-class SampledTokens:
-    """One step's sampled token ids on their way to the host. On a GPU the copy is queued
-    behind the step's forward; `tolist()` waits for it (the GIL is released meanwhile)."""
-
-    def __init__(self, tokens: torch.Tensor):
-        self._event = None
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            tokens = host
-        self._host = tokens
-        self._list: list[int] | None = None
-
-    def tolist(self) -> list[int]:
-        if self._list is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._list = self._host.tolist()
-        return self._list
+class SampledTokens(HostCopy):
+    """One step's sampled token ids on their way to the host: the copy is queued behind the
+    step's forward, so `tolist()` waits for that step only."""
 
 
 NO_TOKENS = SampledTokens(torch.empty(0, dtype=torch.int32))

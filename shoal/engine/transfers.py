@@ -84,6 +84,7 @@ class _Load:
     first_tokens: int = 0  # the front's share in the admission step
     is_planned: bool = False  # its loads went out in a plan (drops reach the worker now)
     first_landed: float | None = None  # when a landed block was first reported
+    host_share: float = 0.0  # of the hit, the share expected from the worker's host memory
     is_cancelled: bool = False  # cancelled while pending: ends once the load drains
 
 
@@ -121,10 +122,12 @@ class KVTransfers:
         self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
         self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
         self._new_loads: list[Request] = []  # admitted for a load since the last plan
+        self._host_tokens: dict[str, int] = {}  # rid -> of its last match, tokens in host memory
         self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
-        self._hits = dict.fromkeys((*HIT_COUNTERS.values(), "front_tokens_computed"), 0)
+        self._hits = dict.fromkeys((*HIT_COUNTERS.values(), "front_tokens_computed",
+                                    "pool_hit_host_tokens"), 0)
 
     # -- what the scheduler asks ----------------------------------------------------------
 
@@ -139,10 +142,14 @@ class KVTransfers:
 
     def match(self, req: Request, num_computed: int) -> int:
         """Pool tokens beyond the local prefix hit, validated against the contract."""
-        num, is_async = self.calls.ask(
-            "get_num_new_matched_tokens",
-            lambda s: s.get_num_new_matched_tokens(self._view(req), num_computed), (0, False),
-            req.request_id)
+        def ask(s):  # one question (under TP one collective): the match and its host part
+            view = self._view(req)
+            num, is_async = s.get_num_new_matched_tokens(view, num_computed)
+            return num, is_async, max(int(s.get_num_matched_host_tokens(view)), 0) if num else 0
+
+        num, is_async, num_host = self.calls.ask("get_num_new_matched_tokens", ask, (0, False, 0),
+                                                 req.request_id)
+        self._host_tokens[req.request_id] = num_host
         limit = req.num_prompt_tokens - 1 - num_computed
         if num == 0 and is_async:
             self.fail("get_num_new_matched_tokens answered (0, True): an async load of nothing",
@@ -163,14 +170,17 @@ class KVTransfers:
                   lambda s: s.update_state_after_alloc(self._view(req), block_ids), None,
                   req.request_id)
         req.pool_hit = None
+        num_host = min(self._host_tokens.pop(req.request_id, 0), num_external)
         if not num_external:
             return False
         bs = self.ctx.block_size
         first, end = num_cached // bs, (num_cached + num_external) // bs
-        hit = PoolHit("load", num_external, **self._rates())
+        host_share = num_host / num_external
+        hit = PoolHit("load", num_external, **self._rates(host_share), num_host_tokens=num_host)
+        self._hits["pool_hit_host_tokens"] += num_host
         load_from, first_tokens = first, 0
         if self.partial_loads:
-            decision = self._decide(lambda: self.planner.admit(first, end))
+            decision = self._decide(lambda: self.planner.admit(first, end, host_share))
             load_from = decision.load_from
             first_tokens = decision.first.num_tokens if decision.first else 0
             if load_from > first:
@@ -184,7 +194,7 @@ class KVTransfers:
             return False
         self._loads[req.request_id] = _Load(req, num_cached, num_external, hit,
                                             self.partial_loads, load_from, end, load_from,
-                                            first_tokens=first_tokens)
+                                            first_tokens=first_tokens, host_share=host_share)
         self._new_loads.append(req)
         self._start_deadline(req.request_id)
         return True
@@ -207,7 +217,8 @@ class KVTransfers:
             return max(min(load.first_tokens, load.writes_from * self.ctx.block_size - front), 0)
         end = (load.num_cached + load.num_external) // self.ctx.block_size
         step = self._decide(lambda: self.planner.front_step(
-            front, load.writes_from, load.landed_from, end, load.started, time.monotonic()))
+            front, load.writes_from, load.landed_from, end, load.started, time.monotonic(),
+            load.host_share))
         if step.drop_to > load.dropped_to:
             self._drop(req, step.drop_to)
             load.dropped_to = step.drop_to
@@ -319,6 +330,7 @@ class KVTransfers:
         """A request ends (request_finished, if the connector saw it). True: a save still
         reads its blocks; they stay held here (SAVING) until the save is reported."""
         self._landed.pop(req.request_id, None)
+        self._host_tokens.pop(req.request_id, None)
         seen = self._num_reported_blocks.pop(req.request_id, None) is not None
         if not seen and req.request_id not in self._pins:
             return False
@@ -421,7 +433,7 @@ class KVTransfers:
         now = time.monotonic()
         self.planner.observe_load(end - start, now - load.started,
                                   None if load.first_landed is None
-                                  else load.first_landed - load.started)
+                                  else load.first_landed - load.started, load.host_share)
         if bad is not None and bad * self.ctx.block_size < start:
             bad = None  # a block the front computes anyway (under TP, dropped on one rank)
         if bad is None:
@@ -443,9 +455,11 @@ class KVTransfers:
         self.calls.ask("drop_loads", lambda s: s.drop_loads(self._view(req), num_blocks), None,
                        req.request_id)
 
-    def _rates(self) -> dict[str, float]:
+    def _rates(self, host_share: float) -> dict[str, float]:
+        """The rates a hit's decision weighs (0: not measured yet)."""
+        expected = self.planner.expected_rate(host_share)
         return {"prefill_tokens_per_s": self.planner.prefill_tps.value or 0.0,
-                "load_tokens_per_s": self.planner.load_tps.value or 0.0}
+                "load_tokens_per_s": expected[0] if expected else 0.0}
 
     def _view(self, req: Request) -> RequestView:
         num_full = req.num_prompt_tokens // self.ctx.block_size

@@ -48,6 +48,8 @@ ENGINE_COUNTERS = (
      "Pool hits not loaded: computing them was faster"),
     ("pool_front_tokens_computed", "front_tokens_computed",
      "Tokens of pool hits computed by the engine while the rest loaded"),
+    ("pool_hit_host_tokens", "pool_hit_host_tokens",
+     "Tokens of pool hits expected from the worker's host memory (faster than the store)"),
 )
 
 # engine gauges from stats: (shoal name, stats key, help)
@@ -58,6 +60,10 @@ ENGINE_GAUGES = (
      "Measured KV pool load rate a load split weighs (0: not measured yet)"),
     ("pool_load_latency_seconds", "load_latency_s",
      "Measured time to a pool load's first landed block (0: not measured yet)"),
+    ("pool_host_load_tokens_per_second", "host_load_tokens_per_s",
+     "Measured rate of loads from the worker's host memory (0: not measured yet)"),
+    ("pool_host_load_latency_seconds", "host_load_latency_s",
+     "Measured time to the first landed block of a load from host memory"),
 )
 
 

@@ -5,7 +5,9 @@ longest run of consecutive pool hits after its local prefix hit, looked up in on
 to the store (one pipelined round trip for a network store), and is planned last block
 first (SPEC 3.1); `drop_loads` takes the blocks the engine computes itself off the plan.
 A block is saved by the step that completes it, unless the pool has it already: one
-lookup per step for every block completed in it. Under TP each rank's worker stores its
+lookup per step for every block completed in it. The keys this side sent to the worker
+(loads and saves) are remembered, newest last, as many as the worker's host tier holds:
+what the tier probably has (`get_num_matched_host_tokens`, which the engine's split weighs). Under TP each rank's worker stores its
 shard under `shard_key(key, rank, world_size)`; this side (rank 0) counts a block as a hit
 only if every shard is in the store, and saves it if any is missing.
 """
@@ -13,6 +15,7 @@ only if every shard is in the store, and saves it if any is missing.
 from __future__ import annotations
 
 import abc
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KvConnectorScheduler,
@@ -55,7 +58,7 @@ class StoreScheduler(KvConnectorScheduler):
 
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext):
         super().__init__(config, ctx)
-        self.store, opts = self.open_store(config, "cpu")
+        self.store, opts = self.open_store(config, ctx.device)
         self.is_async = opts.is_async
         self._num_shards = ctx.num_shards
         self._matched: dict[str, tuple[int, int]] = {}  # rid -> (first block, num blocks)
@@ -66,6 +69,10 @@ class StoreScheduler(KvConnectorScheduler):
         self._dropped_to: dict[str, int] = {}  # drops of requests not yet in a plan
         self._saving_keys: set[bytes] = set()  # saves scheduled by live requests
         self._stats = dict(pool_lookups=0, pool_hit_blocks=0, pool_miss_blocks=0)
+        # keys the worker's host tier probably holds (the newest last), and what it holds
+        self._in_host: OrderedDict[bytes, None] = OrderedDict()
+        self._host_capacity = opts.host_tier_bytes // ctx.block_nbytes if ctx.block_nbytes else 0
+        self._host_matched: dict[str, int] = {}  # rid -> of its last match, blocks in the tier
 
     @classmethod
     @abc.abstractmethod
@@ -85,9 +92,25 @@ class StoreScheduler(KvConnectorScheduler):
         self._stats["pool_miss_blocks"] += max(last - first - hits, 0)
         if hits == 0:
             self._matched.pop(request.request_id, None)
+            self._host_matched.pop(request.request_id, None)
             return 0, False
         self._matched[request.request_id] = (first, hits)
+        self._host_matched[request.request_id] = sum(
+            k in self._in_host for k in request.block_keys[first:first + hits])
         return hits * bs, self.is_async
+
+    def get_num_matched_host_tokens(self, request: RequestView) -> int:
+        return self._host_matched.get(request.request_id, 0) * self.ctx.block_size
+
+    def _remember(self, transfers: list[BlockTransfer]) -> None:
+        """Keys just sent to the worker: its tier will hold them (the oldest drop out)."""
+        if not self._host_capacity:
+            return
+        for t in transfers:
+            self._in_host[t.key] = None
+            self._in_host.move_to_end(t.key)
+        while len(self._in_host) > self._host_capacity:
+            self._in_host.popitem(last=False)
 
     def update_state_after_alloc(self, request: RequestView, block_ids: list[int]) -> None:
         first, num = self._matched.pop(request.request_id, (0, 0))
@@ -132,6 +155,8 @@ class StoreScheduler(KvConnectorScheduler):
             st.saved_keys.append(key)
             meta.saves.append(BlockTransfer(rid, i, st.block_ids[i], key))
             st.has_saves = True
+        self._remember(meta.loads)
+        self._remember(meta.saves)
         return meta
 
     def _completed_blocks(self, scheduler_output: SchedulerOutput
@@ -167,6 +192,7 @@ class StoreScheduler(KvConnectorScheduler):
 
     def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
         self._matched.pop(request.request_id, None)
+        self._host_matched.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._dropped_to.pop(request.request_id, None)
         st = self._requests.pop(request.request_id, None)
