@@ -209,8 +209,8 @@ class Sampler:
         self._num_sampled: dict[str, int] = {}  # rid -> tokens sampled (min_tokens requests)
         self._counts: TokenCounts | None = None  # output tokens of penalised requests
         # the last call's constrained rows: (request ids, their tokens on their way to the
-        # host), given to the matchers at the next call, on the mask thread, which waits
-        # for that copy only (the forward of the next step runs meanwhile)
+        # host), given to the matchers at the next call, which waits for that copy only
+        # (the forward of the next step runs meanwhile)
         self._unread: tuple[list[str], HostCopy] | None = None
         # the masks `prepare` is computing on a worker thread: (request ids, future)
         self._masks: tuple[list[str], Future] | None = None
@@ -219,7 +219,9 @@ class Sampler:
     def prepare(self, rows) -> None:
         """Start the masks of the constrained rows of the coming sample on a worker thread,
         so they are computed while the forward runs (the matchers first take the tokens of
-        the last call, which the device may still be drawing)."""
+        the last call, which the device may still be drawing). For a forward that holds the
+        calling thread (a CPU's); after a GPU forward's launch `sample_on_device` computes
+        them itself, with no thread to hand over to."""
         constrained = [r for r in rows if r.sampling.structured_output is not None]
         if not constrained or self.grammars is None:
             return

@@ -129,6 +129,21 @@ def test_a_store_faster_than_computing_is_read_whole(tiny_model, prompt, baselin
     assert out.pool_hit.num_front_tokens == 0 and s["pool_hits_loaded"] == 1
 
 
+def test_units_landing_out_of_order_are_all_used(tiny_model, prompt, baseline, pool):
+    """The load's back unit lands last: for a while blocks 0-5 have landed below blocks
+    6-9 still being copied (writes_from 6). Once all have landed, the request uses every
+    loaded block; the front computes none of them again."""
+    cfg = ConnectorConfig(module="tests.gated_fs_connector", scheduler_class="FsPoolScheduler",
+                          worker_class="BackLastFsWorker",
+                          options={"root": str(pool), "io_threads": 2})
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        pin_rates(llm, prefill=1.0, load=1e9)  # the front waits for the load
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+    assert out.token_ids == baseline
+    assert out.num_connector_tokens == 40 and out.pool_hit.num_front_tokens == 0
+
+
 def test_a_corrupt_block_in_the_loaded_half_is_recomputed(tiny_model, prompt, baseline, pool):
     with LLM(tiny_model, kv_pool=str(pool), **KW) as probe:
         bad = block_key(probe, prompt, 8)  # in the back, loaded by the first unit read

@@ -412,10 +412,12 @@ class KVTransfers:
 
     def _progress(self, load: _Load, progress: LoadProgress) -> None:
         """A poll's (agreed) word on a partial load: blocks below writes_from are free for
-        the front; blocks from landed_from on have landed."""
+        the front; blocks from landed_from on have landed. landed_from may lie below
+        writes_from: units land out of order, and a unit that landed below one still being
+        copied is the load's (not the front's to compute again) once that one lands."""
         end = (load.num_cached + load.num_external) // self.ctx.block_size
         load.writes_from = max(load.writes_from, min(progress.writes_from, end))
-        load.landed_from = max(min(load.landed_from, progress.landed_from), load.writes_from)
+        load.landed_from = min(load.landed_from, progress.landed_from)
         if load.first_landed is None and load.landed_from < end:
             load.first_landed = time.monotonic()
 
