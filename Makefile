@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-all bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# also the `extended` tests (other modes and layouts of what `make test` covers)
+test-all: venv
+	$(BIN)/python -m pytest -q -m ""
 
 bench: venv
 	$(BIN)/shoal bench throughput

@@ -175,7 +175,7 @@ def test_pool_command_on_a_non_pool_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dir", "redis"])
+@pytest.mark.parametrize("kind", ["dir", pytest.param("redis", marks=pytest.mark.extended)])
 def test_generate_with_kv_pool_reuses_across_runs(smollm2_path, tmp_path, kind, request):
     prompt = "Summarize: " + "The harbor gate opens at dawn and closes at dusk. " * 12
     pool = str(tmp_path / "pool") if kind == "dir" else request.getfixturevalue("redis_url")
@@ -254,7 +254,7 @@ def test_bench_pool_io_runs_and_reports_ratios():
     assert result["load_gbps"] > 0 and result["save_gbps"] > 0 and result["load_over_raw"] > 0
 
 
-@pytest.mark.parametrize("grammar", ["regex", "json"])
+@pytest.mark.parametrize("grammar", ["regex", pytest.param("json", marks=pytest.mark.extended)])
 def test_bench_structured_runs_free_and_constrained(grammar):
     """`shoal bench structured`: both runs decode every token, the constrained outputs
     match their grammar; the ratio is the bench's figure (not asserted); a checkpoint
@@ -269,6 +269,7 @@ def test_bench_structured_runs_free_and_constrained(grammar):
     assert r.returncode == 2 and "tokenizer" in r.stderr
 
 
+@pytest.mark.extended  # the tier's test runs a random checkpoint too
 def test_bench_ttft_on_a_random_checkpoint():
     """`shoal bench ttft --model random:<shape>`: random token prompts (no tokenizer), the
     pool loads every full block but the last token's."""

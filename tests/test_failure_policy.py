@@ -22,8 +22,13 @@ SP = SamplingParams(max_tokens=6)
 KW = dict(block_size=4, num_kv_blocks=128)
 TIMEOUT, GRACE = 1.5, 0.5
 BOUND = TIMEOUT + GRACE + 60  # generous: timeouts + grace + model and process start-up
-MODES = [pytest.param(1, False, id="1rank-plain"), pytest.param(1, True, id="1rank-overlap"),
-         pytest.param(2, False, id="adp2-plain"), pytest.param(2, True, id="adp2-overlap")]
+# one rank in the plain loop and two ADP owners in the overlap loop by default; the two
+# other combinations are `extended` (make test-all)
+MODES = [pytest.param(1, False, id="1rank-plain"),
+         pytest.param(1, True, id="1rank-overlap", marks=pytest.mark.extended),
+         pytest.param(2, False, id="adp2-plain", marks=pytest.mark.extended),
+         pytest.param(2, True, id="adp2-overlap")]
+OVERLAP = [pytest.param(False, marks=pytest.mark.extended), True]  # the overlap loop by default
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +130,7 @@ def test_hook_exception_is_fatal_on_one_rank(tiny_model, prompts, warm_pool, hoo
 
 @pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "wait_for_layer_load",
                                   "get_finished"])
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", OVERLAP)
 def test_hook_exception_on_owner_1_stops_every_rank_alike(tiny_model, prompts, warm_pool,
                                                           hook, overlap):
     cfg = faulty(warm_pool, {"raise_in": hook, "rank": 1}, timeout=600)
@@ -147,7 +152,7 @@ def blocking_hooks():
 
 @pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "wait_for_layer_load",
                                   "get_finished"])
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", OVERLAP)
 def test_hook_that_blocks_is_fatal_on_one_rank(tiny_model, prompts, warm_pool, blocking_hooks,
                                                hook, overlap):
     # the engine's thread never comes back from the hook: the watchdog fails the handles

@@ -41,7 +41,7 @@ def _smollm2_prompts(llm) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_num_tokens", [2048, 24])
+@pytest.mark.parametrize("max_num_tokens", [2048, pytest.param(24, marks=pytest.mark.extended)])
 def test_smollm2_gguf_matches_transformers(smollm2_path, smollm2_hf, max_num_tokens):
     with LLM(smollm2_path, max_num_tokens=max_num_tokens, num_kv_blocks=256,
              overlap_scheduler=max_num_tokens == 24) as llm:

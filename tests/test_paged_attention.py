@@ -112,7 +112,7 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap):
     """The runner's kernel path (packed inputs, paged kernels: what CUDA runs), forced here
     on CPU through the interpreter, gives the reference path's tokens: prefill chunks,

@@ -59,6 +59,7 @@ def test_tp2_seeded_and_unseeded_sampling_agree_across_ranks(tiny_models, prompt
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # TP of two: test_families, test_tp_pool
 def test_smollm2_tp3_equals_one_rank(smollm2_path, smollm2):
     tok = smollm2.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
@@ -102,6 +103,7 @@ def test_bad_parallel_config(tiny_models, kwargs, needle):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # torchrun of two owners runs by default
 def test_torchrun_launch_of_three_local_ranks(smollm2_path, smollm2):
     import json
     import subprocess

@@ -376,6 +376,7 @@ def test_adp_owners_share_one_redis(tiny_model, redis_url):
     assert all(rates) and c_stats["load_tokens_per_s"] == pytest.approx(sum(rates) / 2)
 
 
+@pytest.mark.extended  # TP shards in one pool: test_tp_pool (fs); redis under ADP by default
 def test_tp_shards_share_one_redis(tiny_models, redis_url):
     import redis
     model = str(tiny_models["mha_untied"])  # 4 KV heads: 2 per shard

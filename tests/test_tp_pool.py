@@ -51,7 +51,7 @@ def shard_file(pool: Path, namespace_hex: str, prompt, block: int, rank: int) ->
     return pf.block_path(pool, shard_key(keys[block], rank, TP))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_tp_round_trip_saves_and_loads_every_shard(model, prompts, expected, tmp_path, overlap):
     produced, _, p_stats, ns = run_tp(model, tmp_path, prompts, overlap)
     consumed, outs, c_stats, _ = run_tp(model, tmp_path, prompts, overlap)
@@ -70,7 +70,7 @@ def test_tp_round_trip_saves_and_loads_every_shard(model, prompts, expected, tmp
     assert header.namespace == shard_namespace(bytes.fromhex(ns), 1, TP)
 
 
-@pytest.mark.parametrize("damage", ["deleted", "corrupted"])
+@pytest.mark.parametrize("damage", [pytest.param("deleted", marks=pytest.mark.extended), "corrupted"])
 def test_one_bad_shard_is_a_miss_on_every_rank(model, prompts, expected, tmp_path, damage):
     _, _, _, ns = run_tp(model, tmp_path, prompts[:1])  # the pool holds prompt 0's blocks
     bad = shard_file(tmp_path, ns, prompts[0], 3, 1)  # rank 1's shard of block 3
