@@ -99,6 +99,17 @@ def test_measurements_move_the_rates():
     assert p.load_tps.value == pytest.approx(1024 / 0.8)
 
 
+def test_a_load_that_lands_all_at_once_has_no_first_block_latency():
+    """The tier's blocks are one unit: its first block lands with the last. The whole time
+    is the rate (were it latency, a smaller load would be predicted as slow as this one)."""
+    p = planner()
+    p.observe_load(1024, 0.01, first_landed_s=0.01, host_share=1.0)
+    assert p.host_load_tps.value == pytest.approx(1024 / 0.01)
+    assert p.host_load_latency_s.value is None
+    p.observe_load(1024, 1.0, first_landed_s=None)  # finished before any poll saw a block
+    assert p.load_tps.value == pytest.approx(1024.0) and p.load_latency_s.value is None
+
+
 def test_each_load_teaches_the_rate_of_its_source():
     p = planner()
     p.observe_load(1024, 1.0, first_landed_s=0.0, host_share=1.0)  # all from host memory

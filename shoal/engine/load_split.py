@@ -51,6 +51,9 @@ MAX_RATE_FILES = 64  # the newest kept: one per pool directory, and temporary po
 # a finished load teaches one source's rate: the one at least this share of it came from
 # (a mixed load teaches the other source's rate once one of the two is known)
 ONE_SOURCE_SHARE = 0.9
+# a load whose first block was seen landing this late (a share of its time) landed all at
+# once: its time is all rate, no first-block latency
+ALL_AT_ONCE = 0.9
 RATE_NAMES = ("prefill_tps", "load_tps", "load_latency_s", "host_load_tps", "host_load_latency_s")
 
 
@@ -112,17 +115,22 @@ class LoadPlanner:
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,
                      host_share: float = 0.0) -> None:
         """A finished load: `num_tokens` landed in `seconds`, the first of them after
-        `first_landed_s` (None: not seen before the load finished); `host_share` of them
-        were expected from host memory."""
+        `first_landed_s` (None: not seen before the load finished, as if all at once);
+        `host_share` of them were expected from host memory."""
         if num_tokens <= 0:
             return
-        latency = min(first_landed_s if first_landed_s is not None else 0.0, seconds)
-        streaming = max(seconds - latency, seconds / 2)
+        latency = None if first_landed_s is None else min(first_landed_s, seconds)
+        streaming = seconds if latency is None else max(seconds - latency, seconds / 2)
+        if latency is not None and latency >= ALL_AT_ONCE * seconds:  # one unit (the tier's
+            # blocks are one): no first-block latency to tell from the rate
+            latency, streaming = None, seconds
         if host_share >= ONE_SOURCE_SHARE:
-            self.host_load_latency_s.add(max(latency, 1e-6))
+            if latency is not None:
+                self.host_load_latency_s.add(max(latency, 1e-6))
             self.host_load_tps.add(num_tokens / streaming)
             return
-        self.load_latency_s.add(max(latency, 1e-6))
+        if latency is not None:
+            self.load_latency_s.add(max(latency, 1e-6))
         if host_share <= 1 - ONE_SOURCE_SHARE:
             self.load_tps.add(num_tokens / streaming)
             return
