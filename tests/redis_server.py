@@ -10,10 +10,12 @@ be found, the tests that need one skip, saying so.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -76,20 +78,32 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self.workdir)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.workdir)
         self.wait_ready()
 
     def wait_ready(self) -> None:
-        """Until the server accepts a connection (it prints nothing we could wait on)."""
+        """Until the server logs that it accepts connections (its log goes to a pipe read
+        here, then drained on a thread so that the server never blocks on it)."""
+        lines: queue.Queue[bytes | None] = queue.Queue()
+
+        def drain(out) -> None:
+            for line in out:
+                lines.put(line)
+            lines.put(None)  # the server exited
+        threading.Thread(target=drain, args=(self.proc.stdout,), daemon=True).start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+        log = []
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.02)
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError(f"redis-server exited with {self.proc.wait()}: "
+                                   f"{b''.join(log).decode(errors='replace')}")
+            log.append(line)
+            if b"Ready to accept connections" in line:
+                return
         raise RuntimeError(f"redis-server on port {self.port} did not start")
 
     def client(self, db: int = 0, **kw):
