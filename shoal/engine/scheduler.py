@@ -185,7 +185,8 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
         if self.transfers is not None and self.transfers.on_finish(req):
-            return  # SAVING: the blocks stay held until the save is reported
+            req.status = RequestStatus.SAVING  # the blocks stay held until the save is reported
+            return
         req.status = RequestStatus.FINISHED
         self._release(req, defer_free)
 
@@ -214,7 +215,8 @@ class Scheduler:
         front: `_num_schedulable`.)"""
         for req, reason, error in outcome.ended:
             self.finish(req, reason, error, defer_free)
-        for req in outcome.released:
+        for req in outcome.released:  # ended (and returned) before; its save is done
+            req.status = RequestStatus.FINISHED
             self._release(req, defer_free)
         return [req for req, _, _ in outcome.ended]
 

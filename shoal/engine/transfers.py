@@ -298,8 +298,6 @@ class KVTransfers:
             req = self._saving.pop(rid, None)
             if req is not None:
                 out.released.append(req)
-        for req in out.released:
-            req.status = RequestStatus.FINISHED  # ended (and was returned) before
         return out
 
     def on_preempt(self, req: Request) -> None:
@@ -340,7 +338,6 @@ class KVTransfers:
                          req.request_id):
             return False
         self._new_save_episode(req.request_id)
-        req.status = RequestStatus.SAVING
         self._saving[req.request_id] = req
         return True
 
