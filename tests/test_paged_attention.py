@@ -118,7 +118,7 @@ def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap)
     on CPU through the interpreter, gives the reference path's tokens: prefill chunks,
     prefix hits, decodes."""
     from shoal import LLM, SamplingParams
-    from shoal.engine.cuda_graphs import StepInputs
+    from shoal.model.attention_backend import TritonBackend
     from tests.conftest import random_prompts
 
     shared = random_prompts(512, [24], seed=5)[0]
@@ -129,7 +129,7 @@ def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap)
         expected = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(tiny_model, **kw) as llm:
         runner = llm.engine.runner
-        runner.is_paged, runner._inputs = True, StepInputs(torch.device("cpu"))
+        runner.use_backend(TritonBackend())
         outs = llm.generate(prompts, sp)
         again = llm.generate(prompts[:2], sp)  # local prefix hits: chunks continuing context
         llm.check_integrity()
@@ -145,7 +145,7 @@ def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
     the reference path's tokens. The capture itself needs a GPU (tests/test_cuda.py)."""
     from shoal import LLM, SamplingParams
     from shoal.engine import cuda_graphs
-    from shoal.engine.cuda_graphs import StepInputs
+    from shoal.model.attention_backend import TritonBackend
     from tests.conftest import random_prompts
 
     class EagerGraphs(cuda_graphs.DecodeGraphs):
@@ -171,7 +171,7 @@ def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
         expected = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(tiny_model, **kw) as llm:
         runner = llm.engine.runner
-        runner.is_paged, runner._inputs = True, StepInputs(torch.device("cpu"))
+        runner.use_backend(TritonBackend())
         runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, runner.table_width)
         outs = llm.generate(prompts, sp)
         assert runner.graphs.num_replays > 0

@@ -20,6 +20,7 @@ from shoal.engine.transfers import KVTransfers
 from shoal.kv.block_keys import make_namespace
 from shoal.kv.kv_cache import KVCache, KVCacheLayout
 from shoal.kv.kv_cache_manager import KVCacheManager
+from shoal.model.attention_backend import default_backend
 from shoal.model.llama import LlamaModel, rope_inv_freq
 from shoal.model.loader import load_model_source
 from shoal.model.tokenizer import Tokenizer
@@ -88,7 +89,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     cfg = source.config
     tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
     with torch.device("meta"):
-        model = LlamaModel(cfg, peers.shard)
+        model = LlamaModel(cfg, peers.shard, default_backend(device))
     model = model.to(dtype).to_empty(device=device)  # storage allocated once, in its dtype
     model.tie_weights_if_needed()
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the dtype (as transformers)

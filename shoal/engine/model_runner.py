@@ -8,9 +8,10 @@ still runs this one. A token a step samples stays on the device for the next ste
 chunk's trailing placeholder (overlap loop: the token the previous step samples) is filled
 there from the previous step's samples, never from the host.
 
-Two input paths, the same model:
-- reference (CPU, or no Triton): per-step tensors for gather + SDPA attention;
-- paged (CUDA with Triton): the step's integer inputs packed into one pinned host
+Two input paths, one per attention backend of the model (shoal.model.attention_backend,
+chosen when it is built):
+- reference (`TorchBackend`: CPU, or no Triton): per-step tensors for gather + SDPA;
+- paged (`TritonBackend`: CUDA with Triton): the step's integer inputs packed into one pinned host
   buffer and sent with one copy (`StepInputs`), attention by the paged kernels; a step
   of single-token decodes replays a CUDA graph captured for its batch size
   (`shoal.engine.cuda_graphs`) unless `enforce_eager`.
@@ -28,7 +29,6 @@ from shoal.engine.scheduler import ScheduledBatch
 from shoal.kv.kv_cache import KVCache
 from shoal.util import HostCopy, cdiv
 from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs, PrefillSeq
-from shoal.model.paged_attention import HAS_TRITON
 from shoal.sampling import Sampler, TokenLogprobs, compute_logprobs
 
 
@@ -54,7 +54,7 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         self._logprobs: list[TokenLogprobs | None] | None = None  # the last execute's, if asked
         self._prompt_logprobs: list[tuple[str, int, TokenLogprobs]] = []  # (rid, position, lp)
-        self.is_paged = device.type == "cuda" and HAS_TRITON
+        self.is_paged = model.backend.paged  # the kernels' packed inputs, else the reference
         # block-table columns: no request grows past the context or the whole cache
         max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
         self.table_width = cdiv(max_len, self.block_size)
@@ -64,6 +64,13 @@ class ModelRunner:
             self._warm_up()
         if self.is_paged and not enforce_eager and model.shard.size == 1:
             self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_width)
+
+    def use_backend(self, backend) -> None:
+        """Switch the model's attention backend and the inputs built for it (tests force
+        the kernels' path on a CPU, through Triton's interpreter)."""
+        self.model.use_backend(backend)
+        self.is_paged = backend.paged
+        self._inputs = StepInputs(self.device) if backend.paged else None
 
     def execute(self, batch: ScheduledBatch, token_counts: list[int],
                 layer_hooks=None) -> SampledTokens:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.model.attention_backend import TorchBackend
 from shoal.model.config import ModelConfig
 from shoal.model.moe import SparseMoE
 
@@ -39,14 +40,6 @@ class PagedInputs:
     query_lens: torch.Tensor  # [S] int32: its tokens this step
     context_lens: torch.Tensor  # [S] int32: tokens with KV after this step (0: padding)
     max_query_len: int  # 1: every request decodes one token, rows in request order
-
-
-def paged_attention(q: torch.Tensor, paged: PagedInputs, k_cache, v_cache) -> torch.Tensor:
-    from shoal.model.paged_attention import paged_decode, paged_prefill
-    if paged.max_query_len == 1:
-        return paged_decode(q, k_cache, v_cache, paged.block_table, paged.context_lens)
-    return paged_prefill(q, k_cache, v_cache, paged.block_table, paged.query_starts,
-                         paged.query_lens, paged.context_lens, paged.max_query_len)
 
 
 @dataclass
@@ -127,12 +120,14 @@ class Shard:
 
 class Attention(nn.Module):
     """Heads are split over the shard's ranks: qkv column-parallel (its bias too), o_proj
-    row-parallel. The q/k norms (Qwen3) weigh one head_dim, shared by every head: whole."""
+    row-parallel. The q/k norms (Qwen3) weigh one head_dim, shared by every head: whole.
+    The cache is read and written by the model's attention backend."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard, backend):
         super().__init__()
         self.layer_idx = layer_idx
         self.shard = shard
+        self.backend = backend
         self.num_heads = cfg.num_heads // shard.attention_size
         self.num_kv_heads = cfg.num_kv_heads // shard.attention_size
         self.head_dim = cfg.head_dim
@@ -147,89 +142,38 @@ class Attention(nn.Module):
         # x [T, hidden]; cos/sin [T, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        fused = meta.paged is not None and self.q_norm is None
-        if fused:  # GPU: q and k rotated in place by one kernel
+        fused = self.backend.fused and self.q_norm is None
+        if fused:  # q and k rotated in place by one kernel
             from shoal.model.fused_ops import rope_
             rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = (t.view(num_tokens, n, self.head_dim) for t, n in zip(
+            qkv.split(self.split, dim=-1), (self.num_heads, self.num_kv_heads, self.num_kv_heads)))
         if not fused:
             if self.q_norm is not None:  # per head, before RoPE (as transformers' Qwen3)
                 q, k = self.q_norm(q), self.k_norm(k)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        if meta.paged is not None:
-            from shoal.model.paged_attention import store_kv
-            store_kv(k, v, k_cache, v_cache, meta.slot_block_ids, meta.slot_offsets)
-        else:
-            k_cache[meta.slot_block_ids, meta.slot_offsets] = k
-            v_cache[meta.slot_block_ids, meta.slot_offsets] = v
-
-        if num_tokens == 0:  # an ADP padding step: this owner has nothing, its peers do
-            out = q
-        elif meta.paged is not None:  # GPU: kernels that read the block table
-            out = paged_attention(q, meta.paged, k_cache, v_cache)
-        elif not meta.prefills:  # steady-state decode: every row is one request's next token
-            out = self._decode(q, meta, k_cache, v_cache)
-        elif meta.decode_rows is None and len(meta.prefills) == 1:
-            out = self._prefill(q, meta.prefills[0], k_cache, v_cache)
-        else:
-            out = torch.empty_like(q)  # [T, Hq, D]
-            if meta.decode_rows is not None:
-                out[meta.decode_rows] = self._decode(q[meta.decode_rows], meta, k_cache, v_cache)
-            for seq in meta.prefills:
-                rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-                out[rows] = self._prefill(q[rows], seq, k_cache, v_cache)
+        self.backend.store(k, v, k_cache, v_cache, meta)
+        # an ADP padding step (no tokens: this owner has nothing, its peers do) attends nothing
+        out = self.backend.attend(q, meta, k_cache, v_cache) if num_tokens else q
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return self.shard.all_reduce_(out) if self.shard.shards_attention else out
-
-    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        # block_ids [..., nb] -> [..., Hkv, nb*block_size, D]
-        blocks = cache.index_select(0, block_ids.reshape(-1))
-        blocks = blocks.view(*block_ids.shape[:-1], -1, self.num_kv_heads, self.head_dim)
-        return blocks.transpose(-3, -2)
-
-    def _prefill(self, q, seq: PrefillSeq, k_cache, v_cache):
-        # q [n, Hq, D] attends to context positions [0, context_len) causally.
-        n, ctx = seq.num_tokens, seq.context_len
-        keys = self._gather(k_cache, seq.block_ids)[:, :ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
-        values = self._gather(v_cache, seq.block_ids)[:, :ctx].unsqueeze(0)
-        q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if n == ctx:
-            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-        else:
-            # Query i sits at position ctx - n + i and sees keys j <= that position.
-            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return o.squeeze(0).transpose(0, 1)  # [n, Hq, D]
-
-    def _decode(self, q, meta: AttentionMetadata, k_cache, v_cache):
-        # q [B, Hq, D]: one query per request at the end of its context.
-        ctx = meta.decode_context_len
-        keys = self._gather(k_cache, meta.decode_block_table)[:, :, :ctx]  # [B, Hkv, ctx, D]
-        values = self._gather(v_cache, meta.decode_block_table)[:, :, :ctx]
-        mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                           enable_gqa=True)
-        return o.squeeze(2)  # [B, Hq, D]
 
 
 class MLP(nn.Module):
     """SwiGLU; gate/up column-parallel, down row-parallel over the shard's ranks."""
 
-    def __init__(self, cfg: ModelConfig, shard: Shard):
+    def __init__(self, cfg: ModelConfig, shard: Shard, backend):
         super().__init__()
         self.shard = shard
+        self.backend = backend
         self.intermediate_size = cfg.intermediate_size // shard.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, meta: AttentionMetadata):
-        fused = meta.paged is not None
+        fused = self.backend.fused
         if self.shard.gather is None:
             return self.shard.all_reduce_(self._mlp(x, fused))
         # ADP: rows of every owner, padded to the longest, through this rank's MLP columns;
@@ -243,7 +187,7 @@ class MLP(nn.Module):
 
     def _mlp(self, x, fused: bool):
         gate_up = self.gate_up_proj(x)
-        if fused:  # GPU: one kernel
+        if fused:  # one kernel
             from shoal.model.fused_ops import silu_mul
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -251,18 +195,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard, backend):
         super().__init__()
+        self.backend = backend
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, shard)
+        self.self_attn = Attention(cfg, layer_idx, shard, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, shard) if layer_idx in cfg.moe_layers else MLP(cfg, shard)
+        self.mlp = (SparseMoE(cfg, shard) if layer_idx in cfg.moe_layers
+                    else MLP(cfg, shard, backend))
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        if meta.paged is None:  # the reference ops
+        if not self.backend.fused:  # the reference ops
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
             return x + self.mlp(self.post_attention_layernorm(x), meta)
-        from shoal.model.fused_ops import add_rms_norm, rms_norm  # GPU: fused kernels
+        from shoal.model.fused_ops import add_rms_norm, rms_norm  # fused kernels
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h = self.self_attn(rms_norm(x, norm1.weight, norm1.eps), cos, sin, meta, k_cache, v_cache)
         h, x = add_rms_norm(h, x, norm2.weight, norm2.eps)
@@ -291,17 +237,25 @@ def check_shardable(cfg: ModelConfig, size: int, field: str = "tp_size") -> None
 class LlamaModel(nn.Module):
     """Decoder stack + LM head. Parameter names follow HF with q/k/v and gate/up merged."""
 
-    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), backend=None):
         super().__init__()
         check_shardable(cfg, shard.size, "tp_size" if shard.shards_attention else "dp_size")
         self.cfg = cfg
         self.shard = shard
+        self.backend = backend or TorchBackend()  # one for every layer (attention_backend)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, self.backend)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights_if_needed()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def use_backend(self, backend) -> None:
+        """Read and write the cache through `backend` from now on (every layer)."""
+        for module in self.modules():
+            if "backend" in module.__dict__:
+                module.backend = backend
 
     def tie_weights_if_needed(self) -> None:
         """Share the embedding with the LM head (again after `to_empty`, which unties)."""

@@ -1,0 +1,97 @@
+"""How attention reads and writes the paged KV cache: chosen once, when the model is built.
+
+- `TorchBackend`: gather a request's blocks and run `scaled_dot_product_attention` over
+  them (the reference fields of `AttentionMetadata`); rope, norms and SwiGLU as plain
+  torch ops. Runs anywhere; the kernels' reference in tests.
+- `TritonBackend`: the paged Triton kernels, which read the block table in place
+  (`AttentionMetadata.paged`), and fused kernels for rope, norms and SwiGLU. What a CUDA
+  device with Triton runs.
+
+A backend holds no state of its own: the model's layers share one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchBackend:
+    paged = False  # the runner builds the per-request reference inputs
+    fused = False  # rope, norms and SwiGLU as plain torch ops
+
+    def store(self, k, v, k_cache, v_cache, meta) -> None:
+        """Write the step's new K and V [T, Hkv, D] into their slots."""
+        k_cache[meta.slot_block_ids, meta.slot_offsets] = k
+        v_cache[meta.slot_block_ids, meta.slot_offsets] = v
+
+    def attend(self, q: torch.Tensor, meta, k_cache, v_cache) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq, D]: each row over its request's context, causally."""
+        if not meta.prefills:  # steady-state decode: every row is one request's next token
+            return _decode(q, meta, k_cache, v_cache)
+        if meta.decode_rows is None and len(meta.prefills) == 1:
+            return _prefill(q, meta.prefills[0], k_cache, v_cache)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = _decode(q[meta.decode_rows], meta, k_cache, v_cache)
+        for seq in meta.prefills:
+            rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
+            out[rows] = _prefill(q[rows], seq, k_cache, v_cache)
+        return out
+
+
+class TritonBackend:
+    paged = True  # the runner packs the step's inputs for the kernels (PagedInputs)
+    fused = True  # fused rope, add + RMSNorm and SwiGLU kernels
+
+    def store(self, k, v, k_cache, v_cache, meta) -> None:
+        from shoal.model.paged_attention import store_kv
+        store_kv(k, v, k_cache, v_cache, meta.slot_block_ids, meta.slot_offsets)
+
+    def attend(self, q: torch.Tensor, meta, k_cache, v_cache) -> torch.Tensor:
+        from shoal.model.paged_attention import paged_decode, paged_prefill
+        p = meta.paged
+        if p.max_query_len == 1:
+            return paged_decode(q, k_cache, v_cache, p.block_table, p.context_lens)
+        return paged_prefill(q, k_cache, v_cache, p.block_table, p.query_starts, p.query_lens,
+                             p.context_lens, p.max_query_len)
+
+
+def default_backend(device: torch.device) -> TorchBackend | TritonBackend:
+    """The kernels on a CUDA device with Triton; the torch ops anywhere else."""
+    from shoal.model.paged_attention import HAS_TRITON
+    return TritonBackend() if device.type == "cuda" and HAS_TRITON else TorchBackend()
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """block_ids [..., nb] of a cache [N, bs, Hkv, D] -> [..., Hkv, nb * bs, D]."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))
+    blocks = blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
+    return blocks.transpose(-3, -2)
+
+
+def _prefill(q, seq, k_cache, v_cache):
+    """q [n, Hq, D] attends to context positions [0, context_len) causally."""
+    n, ctx = seq.num_tokens, seq.context_len
+    keys = _gather(k_cache, seq.block_ids)[:, :ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
+    values = _gather(v_cache, seq.block_ids)[:, :ctx].unsqueeze(0)
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if n == ctx:
+        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+    else:
+        # Query i sits at position ctx - n + i and sees keys j <= that position.
+        q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _decode(q, meta, k_cache, v_cache):
+    """q [B, Hq, D]: one query per request at the end of its context."""
+    ctx = meta.decode_context_len
+    keys = _gather(k_cache, meta.decode_block_table)[:, :, :ctx]  # [B, Hkv, ctx, D]
+    values = _gather(v_cache, meta.decode_block_table)[:, :, :ctx]
+    mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                       enable_gqa=True)
+    return o.squeeze(2)  # [B, Hq, D]
