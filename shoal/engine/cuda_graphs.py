@@ -99,8 +99,8 @@ class _Graph:
         self.scratch_block = scratch_block  # padded rows write it: no request owns it
         rows = torch.arange(size, dtype=torch.int32, device=device)
         self.meta = AttentionMetadata(
-            self.slot_blocks, self.slot_offsets, None, None, None, 0, [],
-            paged=PagedInputs(self.table, rows, torch.ones_like(rows), self.lens, 1))
+            self.slot_blocks, self.slot_offsets,
+            PagedInputs(self.table, rows, torch.ones_like(rows), self.lens, 1))
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 

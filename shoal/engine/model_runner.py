@@ -8,13 +8,13 @@ still runs this one. A token a step samples stays on the device for the next ste
 chunk's trailing placeholder (overlap loop: the token the previous step samples) is filled
 there from the previous step's samples, never from the host.
 
-Two input paths, one per attention backend of the model (shoal.model.attention_backend,
-chosen when it is built):
-- reference (`TorchBackend`: CPU, or no Triton): per-step tensors for gather + SDPA;
-- paged (`TritonBackend`: CUDA with Triton): the step's integer inputs packed into one pinned host
-  buffer and sent with one copy (`StepInputs`), attention by the paged kernels; a step
-  of single-token decodes replays a CUDA graph captured for its batch size
-  (`shoal.engine.cuda_graphs`) unless `enforce_eager`.
+One input layout for every attention backend (shoal.model.attention_backend, chosen when
+the model is built): the step's integer inputs packed into one host buffer (pinned on a
+GPU) and sent with one copy (`StepInputs`): ids, positions, KV slots, and per request its
+rows, lengths and block-table row (`PagedInputs`). The torch backend (gather + SDPA) and
+the Triton kernels read the same. With the kernels, a step of single-token decodes
+replays a CUDA graph captured for its batch size (`shoal.engine.cuda_graphs`) unless
+`enforce_eager`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from shoal.engine.cuda_graphs import DecodeGraphs, StepInputs
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.kv.kv_cache import KVCache
 from shoal.util import HostCopy, cdiv
-from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs, PrefillSeq
+from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs
 from shoal.sampling import Sampler, TokenLogprobs, compute_logprobs
 
 
@@ -58,7 +58,7 @@ class ModelRunner:
         # block-table columns: no request grows past the context or the whole cache
         max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
         self.table_width = cdiv(max_len, self.block_size)
-        self._inputs = StepInputs(device) if self.is_paged else None
+        self._inputs = StepInputs(device)
         self.graphs = None
         if self.is_paged:
             self._warm_up()
@@ -70,7 +70,6 @@ class ModelRunner:
         the kernels' path on a CPU, through Triton's interpreter)."""
         self.model.use_backend(backend)
         self.is_paged = backend.paged
-        self._inputs = StepInputs(self.device) if backend.paged else None
 
     def execute(self, batch: ScheduledBatch, token_counts: list[int],
                 layer_hooks=None) -> SampledTokens:
@@ -85,8 +84,7 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.can_replay(batch):
                 logits = self.graphs.replay(batch, self, layer_hooks)
             else:
-                prepare = self._prepare_paged if self.is_paged else self._prepare
-                input_ids, positions, meta, sample_rows = prepare(batch, token_counts)
+                input_ids, positions, meta, sample_rows = self._prepare(batch, token_counts)
                 hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
                 logits = self.model.compute_logits(hidden[sample_rows])
                 self._prompt_logprobs = self._of_prompts(batch, hidden)
@@ -193,8 +191,9 @@ class ModelRunner:
             input_ids.index_copy_(0, rows.to(torch.long), self._prev_tokens.index_select(
                 0, sources.to(torch.long)).to(input_ids.dtype))
 
-    def _prepare_paged(self, batch: ScheduledBatch, token_counts: list[int]):
-        """The kernel path's inputs: one pinned buffer, one host-to-device copy."""
+    def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
+        """The step's inputs, for every backend: one (pinned, on a GPU) host buffer, one
+        host-to-device copy."""
         bs = self.block_size
         ids, positions, slot_blocks, starts, lens, ctxs, tables, sample_rows = \
             [], [], [], [], [], [], [], []
@@ -227,57 +226,8 @@ class ModelRunner:
              np.asarray(ctxs, np.int32), table, np.asarray(sample_rows, np.int32),
              np.asarray(fill_rows, np.int32), np.asarray(sources, np.int32)])
         self.fill_placeholders(input_ids, fill_rows_d, sources_d)
-        paged = PagedInputs(table_d, starts_d, lens_d, ctx_d, max(lens, default=1))
-        meta = AttentionMetadata(slot_block_ids, slot_offsets, None, None, None, 0, [],
-                                 dp_token_counts=token_counts, paged=paged)
+        paged = PagedInputs(table_d, starts_d, lens_d, ctx_d, max(lens, default=1),
+                            (starts, lens, ctxs))
+        meta = AttentionMetadata(slot_block_ids, slot_offsets, paged, token_counts)
         return input_ids, positions_d, meta, rows_d.long()
 
-    def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        sample_rows: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
-        for chunk in batch.chunks:
-            row = len(token_ids)
-            end = chunk.start + chunk.num_tokens
-            token_ids.extend(chunk.token_ids)
-            token_ids.extend([0] * chunk.num_placeholders)  # filled on the device
-            positions.extend(range(chunk.start, end))
-            slot_blocks.extend(chunk.block_ids[p // bs] for p in range(chunk.start, end))
-            num_blocks = cdiv(end, bs)
-            if chunk.num_tokens == 1:
-                decode_rows.append(row)
-                decode_tables.append(chunk.block_ids[:num_blocks])
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillSeq(row, chunk.num_tokens, end, torch.tensor(
-                    chunk.block_ids[:num_blocks], dtype=torch.long, device=self.device)))
-            if chunk.is_sampling:
-                sample_rows.append(row + chunk.num_tokens - 1)
-        pos = torch.tensor(positions, dtype=torch.long)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        fill_rows, sources = (torch.tensor(x, dtype=torch.long, device=self.device)
-                              for x in self.placeholders(batch.chunks))
-        self.fill_placeholders(input_ids, fill_rows, sources)
-        meta = AttentionMetadata(
-            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
-            slot_offsets=(pos % bs).to(self.device),
-            decode_rows=None, decode_block_table=None, decode_mask=None,
-            decode_context_len=max(decode_lens, default=0), prefills=prefills,
-            dp_token_counts=token_counts)
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            table = [t + [0] * (width - len(t)) for t in decode_tables]  # pad with any block
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=self.device)
-            meta.decode_block_table = torch.tensor(table, dtype=torch.long, device=self.device)
-            if min(decode_lens) != max(decode_lens):
-                lens = torch.tensor(decode_lens, device=self.device)
-                keys = torch.arange(width * bs, device=self.device)
-                meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        return (input_ids, pos.to(self.device), meta,
-                torch.tensor(sample_rows, dtype=torch.long, device=self.device))

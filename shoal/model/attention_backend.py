@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 
 class TorchBackend:
-    paged = False  # the runner builds the per-request reference inputs
+    paged = False  # no kernels to warm up or capture
     fused = False  # rope, norms and SwiGLU as plain torch ops
 
     def store(self, k, v, k_cache, v_cache, meta) -> None:
@@ -26,17 +26,24 @@ class TorchBackend:
         v_cache[meta.slot_block_ids, meta.slot_offsets] = v
 
     def attend(self, q: torch.Tensor, meta, k_cache, v_cache) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq, D]: each row over its request's context, causally."""
-        if not meta.prefills:  # steady-state decode: every row is one request's next token
-            return _decode(q, meta, k_cache, v_cache)
-        if meta.decode_rows is None and len(meta.prefills) == 1:
-            return _prefill(q, meta.prefills[0], k_cache, v_cache)
+        """q [T, Hq, D] -> [T, Hq, D]: each request's rows over its context, causally. The
+        one-token decodes together (a batched gather), each longer chunk on its own."""
+        p = meta.paged
+        starts, lens, ctxs = p.host
+        table = p.block_table.long()
+        decodes = [s for s, n in enumerate(lens) if n == 1]
+        if len(decodes) == len(lens):  # steady-state decode: rows in request order
+            return _decode(q, table, ctxs, k_cache, v_cache)
         out = torch.empty_like(q)
-        if meta.decode_rows is not None:
-            out[meta.decode_rows] = _decode(q[meta.decode_rows], meta, k_cache, v_cache)
-        for seq in meta.prefills:
-            rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-            out[rows] = _prefill(q[rows], seq, k_cache, v_cache)
+        if decodes:
+            rows = torch.tensor([starts[s] for s in decodes], device=q.device)
+            out[rows] = _decode(q[rows], table[decodes], [ctxs[s] for s in decodes],
+                                k_cache, v_cache)
+        bs = k_cache.shape[1]
+        for s, (start, n, ctx) in enumerate(zip(starts, lens, ctxs)):
+            if n > 1:
+                out[start:start + n] = _prefill(q[start:start + n], table[s, :-(-ctx // bs)], ctx,
+                                                k_cache, v_cache)
         return out
 
 
@@ -70,11 +77,12 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(-3, -2)
 
 
-def _prefill(q, seq, k_cache, v_cache):
-    """q [n, Hq, D] attends to context positions [0, context_len) causally."""
-    n, ctx = seq.num_tokens, seq.context_len
-    keys = _gather(k_cache, seq.block_ids)[:, :ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
-    values = _gather(v_cache, seq.block_ids)[:, :ctx].unsqueeze(0)
+def _prefill(q, block_ids, ctx: int, k_cache, v_cache):
+    """q [n, Hq, D], the last n of the request's `ctx` positions, attends to the context
+    [0, ctx) causally; `block_ids` [cdiv(ctx, block_size)]."""
+    n = q.shape[0]
+    keys = _gather(k_cache, block_ids)[:, :ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
+    values = _gather(v_cache, block_ids)[:, :ctx].unsqueeze(0)
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     if n == ctx:
         o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
@@ -86,12 +94,16 @@ def _prefill(q, seq, k_cache, v_cache):
     return o.squeeze(0).transpose(0, 1)  # [n, Hq, D]
 
 
-def _decode(q, meta, k_cache, v_cache):
-    """q [B, Hq, D]: one query per request at the end of its context."""
-    ctx = meta.decode_context_len
-    keys = _gather(k_cache, meta.decode_block_table)[:, :, :ctx]  # [B, Hkv, ctx, D]
-    values = _gather(v_cache, meta.decode_block_table)[:, :, :ctx]
-    mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
+def _decode(q, table, ctxs: list[int], k_cache, v_cache):
+    """q [B, Hq, D]: one query per request at the end of its context of ctxs[b] tokens;
+    `table` [B, W] its blocks (padded with any block: masked)."""
+    ctx = max(ctxs)
+    keys = _gather(k_cache, table)[:, :, :ctx]  # [B, Hkv, ctx, D]
+    values = _gather(v_cache, table)[:, :, :ctx]
+    mask = None
+    if min(ctxs) != ctx:
+        lens = torch.tensor(ctxs, device=q.device)
+        mask = (torch.arange(ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                        enable_gqa=True)
     return o.squeeze(2)  # [B, Hq, D]

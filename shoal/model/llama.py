@@ -22,24 +22,18 @@ from shoal.model.moe import SparseMoE
 
 
 @dataclass
-class PrefillSeq:
-    """One request whose scheduled chunk has more than one token (or starts a prompt)."""
-
-    token_start: int  # first row of this chunk in the flat batch
-    num_tokens: int  # rows in this chunk
-    context_len: int  # tokens with KV after this step (cached + this chunk)
-    block_ids: torch.Tensor  # [cdiv(context_len, block_size)] int64 on the model device
-
-
-@dataclass
 class PagedInputs:
-    """One step as the paged-attention kernels read it: per request with tokens this step."""
+    """One step's requests as attention reads them (every backend): per request with
+    tokens this step, its rows in the batch and its blocks."""
 
     block_table: torch.Tensor  # [S, W] int32, each row padded with block 0
     query_starts: torch.Tensor  # [S] int32: first row of the request's tokens in the batch
     query_lens: torch.Tensor  # [S] int32: its tokens this step
     context_lens: torch.Tensor  # [S] int32: tokens with KV after this step (0: padding)
     max_query_len: int  # 1: every request decodes one token, rows in request order
+    # the three above as host lists (starts, lens, context lens), for a backend that loops
+    # over requests on the host (the torch backend); None in a CUDA graph's inputs
+    host: tuple[list[int], list[int], list[int]] | None = None
 
 
 @dataclass
@@ -48,13 +42,8 @@ class AttentionMetadata:
 
     slot_block_ids: torch.Tensor  # [T] block holding each token's KV slot
     slot_offsets: torch.Tensor  # [T] offset of that slot inside its block
-    decode_rows: torch.Tensor | None  # [B] rows of single-token decodes (None: no decodes)
-    decode_block_table: torch.Tensor | None  # [B, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks*block_size] bool; None if all equal
-    decode_context_len: int  # keys attended by the longest decode
-    prefills: list[PrefillSeq]
+    paged: PagedInputs
     dp_token_counts: list[int] | None = None  # ADP: every owner's tokens in this forward
-    paged: PagedInputs | None = None  # the kernel path (then the fields above are unused)
 
 
 class RMSNorm(nn.Module):
