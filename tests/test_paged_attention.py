@@ -1,6 +1,7 @@
 """The Triton paged-attention kernels against a plain reference, on random inputs: ragged
 lengths, GQA, block sizes 16 and 32, chunked prefill. On CPU through Triton's interpreter
-(tests/conftest.py sets TRITON_INTERPRET=1 without a GPU); compiled on a GPU."""
+(tests/conftest.py sets TRITON_INTERPRET=1 without a GPU); compiled on a GPU. And the two
+attention backends on the same inputs: the torch backend is the kernels' reference."""
 
 from __future__ import annotations
 
@@ -188,3 +189,51 @@ def test_warm_up_touches_only_the_scratch_block(heads):
     pa.warm_up(torch.empty(1, hq, 32, device=DEVICE), k_cache, v_cache, scratch_block=4)
     assert torch.equal(k_cache[:4], before_k) and torch.equal(v_cache[:4], before_v)
     assert k_cache[4, :2].abs().max() == 0  # the warm-up wrote zeros into the scratch slots
+
+
+def layout(chunks, block_size, num_blocks, g):
+    """AttentionMetadata of one step whose requests are `chunks` (new tokens, context after),
+    rows in that order, over random non-overlapping blocks: what the runner builds."""
+    from shoal.model.llama import AttentionMetadata, PagedInputs
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    table = tables([c for _, c in chunks], block_size, num_blocks, g)
+    lens, ctxs = [n for n, _ in chunks], [c for _, c in chunks]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    slots = [(int(table[s, p // block_size]), p % block_size)
+             for s, (n, c) in enumerate(chunks) for p in range(c - n, c)]
+    paged = PagedInputs(table, as_t(starts), as_t(lens), as_t(ctxs), max(lens),
+                        (starts, lens, ctxs))
+    return AttentionMetadata(as_t([b for b, _ in slots]), as_t([o for _, o in slots]), paged)
+
+
+# one step each: decodes only (a ragged batch); chunks only; decodes and chunks mixed; and
+# the mixed batch after requests left and others joined (other rows, other blocks)
+STEPS = {"decode": [(1, 1), (1, 17), (1, 33), (1, 100)],
+         "prefill": [(37, 37), (20, 90), (16, 48)],
+         "mixed": [(1, 40), (25, 25), (1, 3), (12, 60), (1, 16)],
+         "left_and_joined": [(1, 41), (1, 61), (9, 9), (1, 4)]}
+
+
+@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
+def test_the_two_backends_agree_on_the_same_inputs(step, heads):
+    """The torch backend is the kernels' reference: the same AttentionMetadata, the same
+    cache, the same stored KV and the same attention output."""
+    from shoal.model.attention_backend import TorchBackend, TritonBackend
+    g = torch.Generator().manual_seed(len(step) * 31 + heads[0])
+    hq, hkv = heads
+    d, bs = (64 if DEVICE == "cuda" else 32), 16
+    meta = layout(STEPS[step], bs, 64, g)
+    num_rows = sum(n for n, _ in STEPS[step])
+    q = torch.randn(num_rows, hq, d, device=DEVICE)
+    k, v = torch.randn(num_rows, hkv, d, device=DEVICE), torch.randn(num_rows, hkv, d, device=DEVICE)
+    outs, caches = [], []
+    for backend in (TorchBackend(), TritonBackend()):
+        torch.manual_seed(5)  # the same cache for both
+        k_cache, v_cache = make_cache(64, bs, hkv, d, torch.float32)
+        backend.store(k, v, k_cache, v_cache, meta)
+        outs.append(backend.attend(q, meta, k_cache, v_cache))
+        caches.append((k_cache, v_cache))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    err = (outs[0].double() - outs[1].double()).norm() / outs[0].double().norm()
+    assert err < TOL[torch.float32], float(err)
