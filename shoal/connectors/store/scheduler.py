@@ -7,9 +7,10 @@ first (SPEC 3.1); `drop_loads` takes the blocks the engine computes itself off t
 A block is saved by the step that completes it, unless the pool has it already: one
 lookup per step for every block completed in it. The keys this side sent to the worker
 (loads and saves) are remembered, newest last, as many as the worker's host tier holds:
-what the tier probably has (`get_num_matched_host_tokens`, which the engine's split weighs). Under TP each rank's worker stores its
-shard under `shard_key(key, rank, world_size)`; this side (rank 0) counts a block as a hit
-only if every shard is in the store, and saves it if any is missing.
+what the tier probably has (`get_num_matched_host_tokens`, which the engine's split
+weighs). Under TP each rank's worker stores its shard under `shard_key(key, rank,
+world_size)`; this side (rank 0) counts a block as a hit only if every shard is in the
+store, and saves it if any is missing.
 """
 
 from __future__ import annotations
