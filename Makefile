@@ -22,7 +22,7 @@ demo: venv
 	$(BIN)/shoal demo
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # also the `extended` tests (other modes and layouts of what `make test` covers)
 test-all: venv
