@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, TypeVar
 
-from shoal.connectors.base import ConnectorConfig, ConnectorContext, KVCacheRegistration
+from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
+                                   RequestView)
 from shoal.connectors.registry import resolve_connector
 from shoal.connectors.watchdog import HookWatchdog
 from shoal.engine.peers import Agreement
@@ -127,3 +128,11 @@ class _LayerHooks:
 
     def save_kv_layer(self, layer_idx: int) -> None:
         self._calls.work("save_kv_layer", lambda w: w.save_kv_layer(layer_idx))
+
+
+def request_view(req, ctx: ConnectorContext) -> RequestView:
+    """What a connector sees of a request (`shoal.request.Request`): its full prompt
+    blocks' keys, never its blocks or state."""
+    num_full = req.num_prompt_tokens // ctx.block_size
+    return RequestView(req.request_id, tuple(req.prompt_token_ids), req.cache_salt,
+                       tuple(req.block_keys[:num_full]), ctx.owner_rank)

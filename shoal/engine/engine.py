@@ -185,7 +185,7 @@ class Engine:
             if self.scheduler.cancel(req, defer_free=bool(self._inflight)):
                 self._rejected.append(req)  # returned by the next step
         elif self.transfers is not None:  # ended; a save of it may still be pending
-            self.transfers.shorten_deadline(request_id)
+            self.transfers.deadlines.shorten(request_id)
 
     def live_requests(self) -> dict[str, Request]:
         """Requests added and not yet returned by step(), by id."""
@@ -358,7 +358,7 @@ class Engine:
         for rid in list(self._live):
             self.cancel(rid)
         if self.transfers is not None:
-            self.transfers.shorten_all_deadlines()
+            self.transfers.deadlines.shorten_all()
 
     def drain(self) -> StepResult:
         """begin_drain, then step until nothing is pending. Returns what those steps did

@@ -31,6 +31,7 @@ answers).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -197,6 +198,12 @@ class LoadPlanner:
             return None
         return 1 / (host_share / Lh + (1 - host_share) / Ls), Fh or 0.0
 
+    def decision_rates(self, host_share: float) -> dict[str, float]:
+        """The rates a hit's decision weighs (0: not measured yet), as PoolHit keeps them."""
+        expected = self.expected_rate(host_share)
+        return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
+                "load_tokens_per_s": expected[0] if expected else 0.0}
+
     def _load_rate(self, num_landed: int, waited: float | None,
                    host_share: float = 0.0) -> tuple[float, float] | None:
         """(tokens/s, seconds before the first block lands) of the load from here: its own
@@ -259,3 +266,14 @@ def _prune(folder: Path) -> None:
     files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in files[MAX_RATE_FILES:]:
         old.unlink(missing_ok=True)
+
+
+def rates_path(config, ctx) -> Path:
+    """Where the rates of engines of this model, device and connector (its options, the
+    pool's directory among them; a ConnectorConfig and a ConnectorContext) are kept
+    between runs (the newest MAX_RATE_FILES files are kept)."""
+    from shoal.model.presets import cache_dir
+    what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
+                       config.scheduler_class, config.worker_class,
+                       sorted((k, repr(v)) for k, v in config.options.items())])
+    return cache_dir() / "rates" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"

@@ -7,7 +7,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from shoal.engine.transfer_poll import NO_TRANSFERS, TransferPlan
-from shoal.engine.transfers import KVTransfers, TransferOutcome
+from shoal.engine.transfer_poll import TransferOutcome
+from shoal.engine.transfers import KVTransfers
 from shoal.kv.kv_cache_manager import KVCacheManager
 from shoal.util import cdiv
 from shoal.request import Request, RequestStatus
@@ -206,7 +207,7 @@ class Scheduler:
             self.running.remove(req)
             req.status = RequestStatus.WAITING_FOR_LOAD
         if transfers is not None:  # the load, or the saves pending now (incl. pinned)
-            transfers.shorten_deadline(req.request_id)
+            transfers.deadlines.shorten(req.request_id)
         return ends_now
 
     def _apply(self, outcome: TransferOutcome, defer_free: bool) -> list[Request]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.connectors.base import LoadProgress
 from shoal.engine.connector_calls import ConnectorCalls
+from shoal.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,14 @@ class TransferReport:
     failed_loads: dict[str, int] = field(default_factory=dict)  # rid -> first bad block index
     aborted: set[str] = field(default_factory=set)  # transfers aborted at their deadline
     progress: dict[str, LoadProgress] = field(default_factory=dict)  # partial loads' progress
+
+
+@dataclass
+class TransferOutcome:
+    """What the scheduler does with a report."""
+
+    ended: list[tuple[Request, str, str | None]] = field(default_factory=list)  # reason, error
+    released: list[Request] = field(default_factory=list)  # saves done: free the blocks
 
 
 class TransferPoller:

@@ -5,18 +5,7 @@ Everything about a transfer lives here: which requests wait for a load (WAITING_
 or hold their blocks for a save (SAVING), save episodes, pinned blocks, deadlines, aborts,
 cancels that wait for a load, and the failure policy. The scheduler asks a few questions
 (`match`, `admit`, `plan`, `apply`, `on_preempt`, `on_finish`, `defer_cancel`) and each
-step carries one `TransferPlan`.
-
-Per step, in both loops (scheduler side on the scheduling thread, worker side on the
-thread that runs the forward):
-
-    scheduler side   get_num_new_matched_tokens / update_state_after_alloc (admissions)
-                     build_connector_meta (every step, also when empty)
-                     request_finished (once per request that reached the connector)
-    worker side      bind_connector_meta -> start_load_kv
-                     -> [per layer: wait_for_layer_load(i), layer i, save_kv_layer(i)]
-                     -> wait_for_save -> clear_connector_meta
-                     -> get_finished(saving_ids, loading_ids) -> get_failed_loads
+step carries one `TransferPlan`. The hooks' order in a step: docs/connectors.md.
 
 When are a request's blocks freed? A loading request keeps them (it is in no batch and
 never preempted) until its load is reported; a finished request whose save is pending
@@ -36,65 +25,22 @@ aborted and becomes its request's error.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import time
-from pathlib import Path
-from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheRegistration,
-                                   LoadProgress, RequestData, RequestView, SchedulerOutput)
-from shoal.engine.connector_calls import ConnectorCalls
+                                   RequestData, SchedulerOutput)
+from shoal.engine.connector_calls import ConnectorCalls, request_view
+from shoal.engine.deadlines import Deadlines
+from shoal.engine.load_split import LoadPlanner, rates_path
 from shoal.engine.peers import Agreement
-from shoal.engine.transfer_poll import TransferPlan, TransferPoller, TransferReport
+from shoal.engine.pending_load import HIT_COUNTERS, LandedLoad, PendingLoad
+from shoal.engine.transfer_poll import (TransferOutcome, TransferPlan, TransferPoller,
+                                        TransferReport)
 from shoal.kv.block_pool import BlockPool
-from shoal.engine.load_split import LoadPlanner
 from shoal.request import PoolHit, Request, RequestStatus
 
 T = TypeVar("T")
-
-# PoolHit.decision -> its stats counter
-HIT_COUNTERS = {"load": "pool_hits_loaded", "split": "pool_hits_split",
-                "compute": "pool_hits_computed"}
-
-
-@dataclass
-class TransferOutcome:
-    """What the scheduler does with a report."""
-
-    ended: list[tuple[Request, str, str | None]] = field(default_factory=list)  # reason, error
-    released: list[Request] = field(default_factory=list)  # saves done: free the blocks
-
-
-@dataclass
-class _Load:
-    """A pending load. Block indices are positions in the request."""
-
-    request: Request
-    num_cached: int  # tokens from the local prefix cache (the load's first block is after)
-    num_external: int  # tokens the pool has after them
-    hit: PoolHit
-    is_partial: bool  # the front computes while the back loads (3.1); else the front waits
-    writes_from: int  # the load may write blocks from here on (agreed over TP ranks)
-    landed_from: int  # every block from here to the end of the hit has landed
-    dropped_to: int  # blocks below this index were dropped from the load (or never in it)
-    started: float = field(default_factory=time.monotonic)
-    first_tokens: int = 0  # the front's share in the admission step
-    is_planned: bool = False  # its loads went out in a plan (drops reach the worker now)
-    first_landed: float | None = None  # when a landed block was first reported
-    host_share: float = 0.0  # of the hit, the share expected from the worker's host memory
-    is_cancelled: bool = False  # cancelled while pending: ends once the load drains
-
-
-@dataclass(frozen=True)
-class _Landed:
-    """A finished load whose front has not reached its landed blocks yet."""
-
-    start: int  # tokens: where the landed blocks begin (the front computes up to here)
-    num_ok: int  # tokens with valid KV once the front is there
-    num_cached: int  # tokens of the local prefix hit (the front began there)
 
 
 class KVTransfers:
@@ -110,20 +56,20 @@ class KVTransfers:
         # the front computes while the back loads where both sides can (SPEC 3.1)
         self.partial_loads = config.compute_while_loading and self.calls.partial_loads
         self.planner = LoadPlanner(ctx.block_size, max_num_tokens)
-        self._rates_path = _rates_path(config, ctx)
+        self._rates_path = rates_path(config, ctx)
         # rates are kept between runs wherever loads can be split (also by an engine that
         # loads whole: what it measures serves the next one)
         if self.calls.partial_loads and self.calls.agreement.is_lead:
             self.planner.restore(self._rates_path)
-        self._loads: dict[str, _Load] = {}  # pending loads: blocks held, never preempted
-        self._landed: dict[str, _Landed] = {}  # loads done, the front not there yet
+        self._loads: dict[str, PendingLoad] = {}  # pending loads: blocks held, never preempted
+        self._landed: dict[str, LandedLoad] = {}  # loads done, the front not there yet
         self._saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
         self._save_epochs: dict[str, int] = {}  # rid -> episode of its pending save report
         self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
         self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
         self._new_loads: list[Request] = []  # admitted for a load since the last plan
         self._host_tokens: dict[str, int] = {}  # rid -> of its last match, tokens in host memory
-        self._deadlines: dict[str, float] = {}  # rid -> deadline of its pending transfers
+        self.deadlines = Deadlines(config.transfer_timeout_sec, config.control_grace_sec)
         self.num_connector_tokens_loaded = 0
         self.num_load_failures_recomputed = 0
         self._hits = dict.fromkeys((*HIT_COUNTERS.values(), "front_tokens_computed",
@@ -143,7 +89,7 @@ class KVTransfers:
     def match(self, req: Request, num_computed: int) -> int:
         """Pool tokens beyond the local prefix hit, validated against the contract."""
         def ask(s):  # one question (under TP one collective): the match and its host part
-            view = self._view(req)
+            view = request_view(req, self.ctx)
             num, is_async = s.get_num_new_matched_tokens(view, num_computed)
             return num, is_async, max(int(s.get_num_matched_host_tokens(view)), 0) if num else 0
 
@@ -167,7 +113,7 @@ class KVTransfers:
         `front_tokens` allows until the load has landed and the front reached it."""
         block_ids = list(req.block_ids)
         self.calls.ask("update_state_after_alloc",
-                  lambda s: s.update_state_after_alloc(self._view(req), block_ids), None,
+                  lambda s: s.update_state_after_alloc(request_view(req, self.ctx), block_ids), None,
                   req.request_id)
         req.pool_hit = None
         num_host = min(self._host_tokens.pop(req.request_id, 0), num_external)
@@ -176,7 +122,7 @@ class KVTransfers:
         bs = self.ctx.block_size
         first, end = num_cached // bs, (num_cached + num_external) // bs
         host_share = num_host / num_external
-        hit = PoolHit("load", num_external, **self._rates(host_share), num_host_tokens=num_host)
+        hit = PoolHit("load", num_external, **self.planner.decision_rates(host_share), num_host_tokens=num_host)
         self._hits["pool_hit_host_tokens"] += num_host
         load_from, first_tokens = first, 0
         if self.partial_loads:
@@ -192,11 +138,11 @@ class KVTransfers:
         if load_from >= end:  # computing it is faster: nothing is loaded
             hit.num_front_tokens = num_external
             return False
-        self._loads[req.request_id] = _Load(req, num_cached, num_external, hit,
+        self._loads[req.request_id] = PendingLoad(req, num_cached, num_external, hit,
                                             self.partial_loads, load_from, end, load_from,
                                             first_tokens=first_tokens, host_share=host_share)
         self._new_loads.append(req)
-        self._start_deadline(req.request_id)
+        self.deadlines.start(req.request_id)
         return True
 
     def front_tokens(self, req: Request) -> int | None:
@@ -214,15 +160,15 @@ class KVTransfers:
         front = req.num_computed_tokens
         if not load.is_planned:  # admitted this step: its plan is not out yet, and the
             # admission's split holds (a drop now would unplan blocks the engine waits for)
-            return max(min(load.first_tokens, load.writes_from * self.ctx.block_size - front), 0)
-        end = (load.num_cached + load.num_external) // self.ctx.block_size
+            return load.front_limit(load.first_tokens, front, self.ctx.block_size)
+        end = load.end_block(self.ctx.block_size)
         step = self._decide(lambda: self.planner.front_step(
             front, load.writes_from, load.landed_from, end, load.started, time.monotonic(),
             load.host_share))
         if step.drop_to > load.dropped_to:
             self._drop(req, step.drop_to)
             load.dropped_to = step.drop_to
-        return max(min(step.num_tokens, load.writes_from * self.ctx.block_size - front), 0)
+        return load.front_limit(step.num_tokens, front, self.ctx.block_size)
 
     def take_landed(self, req: Request) -> int | None:
         """If the request's load is done and its front reached the landed blocks: the tokens
@@ -254,9 +200,8 @@ class KVTransfers:
             (cached if seen else new).append(rd)
         out = SchedulerOutput(tuple(new), tuple(cached), self.ctx.owner_rank)
         meta = self.calls.ask("build_connector_meta", lambda s: s.build_connector_meta(out), None)
-        pending = [*self._save_epochs, *self._loads]
         return TransferPlan(meta, dict(self._save_epochs), tuple(self._loads),
-                            {rid: self._deadlines.get(rid, math.inf) for rid in pending})
+                            self.deadlines.of([*self._save_epochs, *self._loads]))
 
     def apply(self, plan: TransferPlan, report: TransferReport) -> TransferOutcome:
         """A step's report: finished loads run (or end), finished or aborted saves release
@@ -278,18 +223,18 @@ class KVTransfers:
         for rid, progress in report.progress.items():
             load = self._loads.get(rid)
             if load is not None:
-                self._progress(load, progress)
+                load.take_progress(progress, self.ctx.block_size)
         for rid in sorted(report.finished_loading):
             load = self._end_load(rid)
             if load is None:
                 continue  # reported by an earlier poll already (the overlap loop polls twice)
-            start = self._landed_start(load)
+            start = load.landed_start(self.ctx.block_size)
             num_ok, error = self._load_result(load, start, report.failed_loads.get(rid))
             if load.is_cancelled or error is not None:
                 out.ended.append((load.request, "cancelled" if load.is_cancelled else "error",
                                   None if load.is_cancelled else error))
             else:
-                self._landed[rid] = _Landed(start, num_ok, load.num_cached)
+                self._landed[rid] = LandedLoad(start, num_ok, load.num_cached)
         for rid in sorted(report.finished_saving):
             epoch = plan.save_epochs.get(rid)
             if epoch is None or self._save_epochs.get(rid) != epoch:
@@ -334,7 +279,7 @@ class KVTransfers:
             return False
         block_ids = list(req.block_ids)
         if not self.calls.ask("request_finished",
-                         lambda s: s.request_finished(self._view(req), block_ids), True,
+                         lambda s: s.request_finished(request_view(req, self.ctx), block_ids), True,
                          req.request_id):
             return False
         self._new_save_episode(req.request_id)
@@ -364,26 +309,9 @@ class KVTransfers:
         return [b for req in held for b in req.block_ids] + \
             [b for blocks in self._pins.values() for b in blocks]
 
-    # -- deadlines ---------------------------------------------------------------------------
-
-    def shorten_deadline(self, request_id: str) -> None:
-        """A cancel or shutdown: the request's pending transfers get at most the grace."""
-        if request_id in self._deadlines:
-            self._deadlines[request_id] = min(self._deadlines[request_id],
-                                              time.monotonic() + self.config.control_grace_sec)
-
-    def shorten_all_deadlines(self) -> None:
-        for rid in list(self._deadlines):
-            self.shorten_deadline(rid)
-
-    def _start_deadline(self, request_id: str) -> None:
-        """A transfer of the request is pending from now (an earlier deadline stands)."""
-        self._deadlines.setdefault(request_id,
-                                   time.monotonic() + self.config.transfer_timeout_sec)
-
     def _end_deadline(self, request_id: str) -> None:
         if request_id not in self._loads and request_id not in self._save_epochs:
-            self._deadlines.pop(request_id, None)
+            self.deadlines.end(request_id)
 
     # -- episodes and loads ------------------------------------------------------------------
 
@@ -391,7 +319,7 @@ class KVTransfers:
         # A report counts only for the episode that was pending when its step was launched:
         # the overlap loop applies a step's poll after the next step was scheduled.
         self._save_epochs[request_id] = self._save_epochs.get(request_id, 0) + 1
-        self._start_deadline(request_id)
+        self.deadlines.start(request_id)
 
     def _end_save_episode(self, request_id: str) -> bool:
         """The request's pending save episode ends (reported, or aborted: nothing of it runs
@@ -402,48 +330,20 @@ class KVTransfers:
         self._end_deadline(request_id)
         return True
 
-    def _end_load(self, request_id: str) -> _Load | None:
+    def _end_load(self, request_id: str) -> PendingLoad | None:
         load = self._loads.pop(request_id, None)
         self._end_deadline(request_id)
         return load
 
-    def _progress(self, load: _Load, progress: LoadProgress) -> None:
-        """A poll's (agreed) word on a partial load: blocks below writes_from are free for
-        the front; blocks from landed_from on have landed. landed_from may lie below
-        writes_from: units land out of order, and a unit that landed below one still being
-        copied is the load's (not the front's to compute again) once that one lands."""
-        end = (load.num_cached + load.num_external) // self.ctx.block_size
-        load.writes_from = max(load.writes_from, min(progress.writes_from, end))
-        load.landed_from = min(load.landed_from, progress.landed_from)
-        if load.first_landed is None and load.landed_from < end:
-            load.first_landed = time.monotonic()
-
-    def _landed_start(self, load: _Load) -> int:
-        """Tokens: where a finished load's landed blocks begin (the front computed the rest)."""
-        if not load.is_partial:
-            return load.num_cached
-        return min(load.landed_from * self.ctx.block_size, load.num_cached + load.num_external)
-
-    def _load_result(self, load: _Load, start: int, bad: int | None) -> tuple[int, str | None]:
-        """(tokens with valid KV once the front reaches `start`, error). A failed block and
-        everything after it is recomputed (or, with policy "fail", the request ends with an
-        error). The load's rates are measured here."""
-        end = load.num_cached + load.num_external
-        now = time.monotonic()
-        self.planner.observe_load(end - start, now - load.started,
-                                  None if load.first_landed is None
-                                  else load.first_landed - load.started, load.host_share)
-        if bad is not None and bad * self.ctx.block_size < start:
-            bad = None  # a block the front computes anyway (under TP, dropped on one rank)
-        if bad is None:
-            num_ok = end
-        elif self.config.load_failure_policy == "fail":
-            return load.num_cached, f"KV load from the pool failed at block {bad}"
-        else:
-            self.num_load_failures_recomputed += 1
-            num_ok = min(max(bad * self.ctx.block_size, start), end)
-        self.num_connector_tokens_loaded += num_ok - start
-        return num_ok, None
+    def _load_result(self, load: PendingLoad, start: int, bad: int | None):
+        """PendingLoad.outcome, counted; the load's rates are measured here."""
+        self.planner.observe_load(*load.measured(start))
+        num_ok, error = load.outcome(start, bad, self.ctx.block_size,
+                                     self.config.load_failure_policy)
+        if error is None:
+            self.num_load_failures_recomputed += bad is not None and num_ok < load.end_token
+            self.num_connector_tokens_loaded += num_ok - start
+        return num_ok, error
 
     def _decide(self, decide: Callable[[], T]) -> T:
         """The lead rank's decision, on every rank (TP ranks must schedule alike)."""
@@ -451,19 +351,8 @@ class KVTransfers:
         return agreement.share(decide() if agreement.is_lead else None)
 
     def _drop(self, req: Request, num_blocks: int) -> None:
-        self.calls.ask("drop_loads", lambda s: s.drop_loads(self._view(req), num_blocks), None,
+        self.calls.ask("drop_loads", lambda s: s.drop_loads(request_view(req, self.ctx), num_blocks), None,
                        req.request_id)
-
-    def _rates(self, host_share: float) -> dict[str, float]:
-        """The rates a hit's decision weighs (0: not measured yet)."""
-        expected = self.planner.expected_rate(host_share)
-        return {"prefill_tokens_per_s": self.planner.prefill_tps.value or 0.0,
-                "load_tokens_per_s": expected[0] if expected else 0.0}
-
-    def _view(self, req: Request) -> RequestView:
-        num_full = req.num_prompt_tokens // self.ctx.block_size
-        return RequestView(req.request_id, tuple(req.prompt_token_ids), req.cache_salt,
-                           tuple(req.block_keys[:num_full]), self.ctx.owner_rank)
 
     def _request_data(self, req: Request, token_ids, computed: int, num_scheduled: int,
                       block_ids: list[int]) -> tuple[RequestData, bool]:
@@ -507,13 +396,3 @@ class KVTransfers:
         if self.calls.partial_loads and self.calls.agreement.is_lead and self.failure is None:
             self.planner.save(self._rates_path)
         self.calls.shutdown()
-
-
-def _rates_path(config: ConnectorConfig, ctx: ConnectorContext) -> Path:
-    """Where the rates of engines of this model, device and connector (its options, the
-    pool's directory among them) are kept between runs (the newest 64 files are kept)."""
-    from shoal.model.presets import cache_dir
-    what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
-                       config.scheduler_class, config.worker_class,
-                       sorted((k, repr(v)) for k, v in config.options.items())])
-    return cache_dir() / "rates" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"

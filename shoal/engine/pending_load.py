@@ -1,0 +1,97 @@
+"""A pool hit's load while it is pending, and once it has landed (KVTransfers keeps them).
+
+Block indices are positions in the request (block i holds tokens [i * block_size, (i + 1)
+* block_size)). A partial load (SPEC 3.1) lands its last block first while the request's
+front computes from the start: `writes_from` bounds the front (no copy of the load writes
+below it any more), `landed_from` is where the landed blocks begin.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shoal.connectors.base import LoadProgress
+from shoal.request import PoolHit, Request
+
+# PoolHit.decision -> its stats counter
+HIT_COUNTERS = {"load": "pool_hits_loaded", "split": "pool_hits_split",
+                "compute": "pool_hits_computed"}
+
+
+@dataclass
+class PendingLoad:
+    request: Request
+    num_cached: int  # tokens from the local prefix cache (the load's first block is after)
+    num_external: int  # tokens the pool has after them
+    hit: PoolHit
+    is_partial: bool  # the front computes while the back loads (3.1); else the front waits
+    writes_from: int  # the load may write blocks from here on (agreed over TP ranks)
+    landed_from: int  # every block from here to the end of the hit has landed
+    dropped_to: int  # blocks below this index were dropped from the load (or never in it)
+    started: float = field(default_factory=time.monotonic)
+    first_tokens: int = 0  # the front's share in the admission step
+    is_planned: bool = False  # its loads went out in a plan (drops reach the worker now)
+    first_landed: float | None = None  # when a landed block was first reported
+    host_share: float = 0.0  # of the hit, the share expected from the worker's host memory
+    is_cancelled: bool = False  # cancelled while pending: ends once the load drains
+
+    @property
+    def end_token(self) -> int:
+        """The token after the hit's last."""
+        return self.num_cached + self.num_external
+
+    def end_block(self, block_size: int) -> int:
+        """The block after the hit's last."""
+        return self.end_token // block_size
+
+    def front_limit(self, num_tokens: int, front: int, block_size: int) -> int:
+        """At most `num_tokens` for the front at token `front`, below every block the load
+        may still write."""
+        return max(min(num_tokens, self.writes_from * block_size - front), 0)
+
+    def measured(self, start: int) -> tuple[int, float, float | None, float]:
+        """The finished load as LoadPlanner.observe_load takes it: tokens landed (from token
+        `start`), seconds, seconds to the first landed block (None: not seen), host share."""
+        first = None if self.first_landed is None else self.first_landed - self.started
+        return self.end_token - start, time.monotonic() - self.started, first, self.host_share
+
+    def outcome(self, start: int, bad: int | None, block_size: int,
+                policy: str) -> tuple[int, str | None]:
+        """(tokens with valid KV once the front reaches `start`, error). `bad`: the first
+        block that failed (None: none). A failed block and everything after it is
+        recomputed, or with policy "fail" the request ends with an error."""
+        if bad is not None and bad * block_size < start:
+            bad = None  # a block the front computes anyway (under TP, dropped on one rank)
+        if bad is None:
+            return self.end_token, None
+        if policy == "fail":
+            return self.num_cached, f"KV load from the pool failed at block {bad}"
+        return min(max(bad * block_size, start), self.end_token), None
+
+    def take_progress(self, progress: LoadProgress, block_size: int) -> None:
+        """A poll's (agreed) word: blocks below writes_from are free for the front; blocks
+        from landed_from on have landed. landed_from may lie below writes_from: units land
+        out of order, and a unit that landed below one still being copied is the load's
+        (not the front's to compute again) once that one lands."""
+        end = self.end_block(block_size)
+        self.writes_from = max(self.writes_from, min(progress.writes_from, end))
+        self.landed_from = min(self.landed_from, progress.landed_from)
+        if self.first_landed is None and self.landed_from < end:
+            self.first_landed = time.monotonic()
+
+    def landed_start(self, block_size: int) -> int:
+        """Tokens: where the finished load's landed blocks begin (the front computed the
+        rest)."""
+        if not self.is_partial:
+            return self.num_cached
+        return min(self.landed_from * block_size, self.num_cached + self.num_external)
+
+
+@dataclass(frozen=True)
+class LandedLoad:
+    """A finished load whose front has not reached its landed blocks yet."""
+
+    start: int  # tokens: where the landed blocks begin (the front computes up to here)
+    num_ok: int  # tokens with valid KV once the front is there
+    num_cached: int  # tokens of the local prefix hit (the front began there)
