@@ -17,7 +17,7 @@ ALLOWED = {
     "shoal.util": (),
     "shoal.version": (),
     "shoal.kv": ("shoal.kv", "shoal.request", "shoal.sampling", "shoal.util"),
-    "shoal.model": ("shoal.model",),
+    "shoal.model": ("shoal.model", "shoal.util"),
     # the pool connectors: over the store layer, which imports only the contract
     "shoal.connectors.store": ("shoal.connectors.base", "shoal.connectors.store",
                                "shoal.kv.block_keys"),

@@ -54,7 +54,6 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         self._logprobs: list[TokenLogprobs | None] | None = None  # the last execute's, if asked
         self._prompt_logprobs: list[tuple[str, int, TokenLogprobs]] = []  # (rid, position, lp)
-        self.is_paged = model.backend.paged  # the kernels' packed inputs, else the reference
         # block-table columns: no request grows past the context or the whole cache
         max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
         self.table_width = cdiv(max_len, self.block_size)
@@ -65,11 +64,15 @@ class ModelRunner:
         if self.is_paged and not enforce_eager and model.shard.size == 1:
             self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_width)
 
+    @property
+    def is_paged(self) -> bool:
+        """The model attends with the Triton kernels (warm-up and CUDA graphs apply)."""
+        return self.model.backend.paged
+
     def use_backend(self, backend) -> None:
-        """Switch the model's attention backend and the inputs built for it (tests force
-        the kernels' path on a CPU, through Triton's interpreter)."""
+        """Switch the model's attention backend (tests force the kernels' path on a CPU,
+        through Triton's interpreter)."""
         self.model.use_backend(backend)
-        self.is_paged = backend.paged
 
     def execute(self, batch: ScheduledBatch, token_counts: list[int],
                 layer_hooks=None) -> SampledTokens:

@@ -57,17 +57,18 @@ class PendingLoad:
         return self.end_token - start, time.monotonic() - self.started, first, self.host_share
 
     def outcome(self, start: int, bad: int | None, block_size: int,
-                policy: str) -> tuple[int, str | None]:
-        """(tokens with valid KV once the front reaches `start`, error). `bad`: the first
-        block that failed (None: none). A failed block and everything after it is
-        recomputed, or with policy "fail" the request ends with an error."""
+                policy: str) -> tuple[int, str | None, bool]:
+        """(tokens with valid KV once the front reaches `start`, error, whether a failed
+        block is recomputed). `bad`: the first block that failed (None: none). A failed
+        block and everything after it is recomputed, or with policy "fail" the request
+        ends with an error."""
         if bad is not None and bad * block_size < start:
             bad = None  # a block the front computes anyway (under TP, dropped on one rank)
         if bad is None:
-            return self.end_token, None
+            return self.end_token, None, False
         if policy == "fail":
-            return self.num_cached, f"KV load from the pool failed at block {bad}"
-        return min(max(bad * block_size, start), self.end_token), None
+            return self.num_cached, f"KV load from the pool failed at block {bad}", False
+        return min(max(bad * block_size, start), self.end_token), None, True
 
     def take_progress(self, progress: LoadProgress, block_size: int) -> None:
         """A poll's (agreed) word: blocks below writes_from are free for the front; blocks

@@ -338,10 +338,10 @@ class KVTransfers:
     def _load_result(self, load: PendingLoad, start: int, bad: int | None):
         """PendingLoad.outcome, counted; the load's rates are measured here."""
         self.planner.observe_load(*load.measured(start))
-        num_ok, error = load.outcome(start, bad, self.ctx.block_size,
-                                     self.config.load_failure_policy)
+        num_ok, error, recomputed = load.outcome(start, bad, self.ctx.block_size,
+                                                 self.config.load_failure_policy)
+        self.num_load_failures_recomputed += recomputed
         if error is None:
-            self.num_load_failures_recomputed += bad is not None and num_ok < load.end_token
             self.num_connector_tokens_loaded += num_ok - start
         return num_ok, error
 

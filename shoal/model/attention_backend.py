@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shoal.util import to_device
+
 
 class TorchBackend:
     paged = False  # no kernels to warm up or capture
@@ -36,7 +38,7 @@ class TorchBackend:
             return _decode(q, table, ctxs, k_cache, v_cache)
         out = torch.empty_like(q)
         if decodes:
-            rows = torch.tensor([starts[s] for s in decodes], device=q.device)
+            rows = to_device([starts[s] for s in decodes], q.device)
             out[rows] = _decode(q[rows], table[decodes], [ctxs[s] for s in decodes],
                                 k_cache, v_cache)
         bs = k_cache.shape[1]
@@ -102,7 +104,7 @@ def _decode(q, table, ctxs: list[int], k_cache, v_cache):
     values = _gather(v_cache, table)[:, :, :ctx]
     mask = None
     if min(ctxs) != ctx:
-        lens = torch.tensor(ctxs, device=q.device)
+        lens = to_device(ctxs, q.device)
         mask = (torch.arange(ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                        enable_gqa=True)
