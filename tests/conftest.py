@@ -46,6 +46,22 @@ TINY_MOE = {
         decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=4,
                                       num_experts_per_tok=2, eos_token_id=None, bos_token_id=None)),
+    # MLA (q straight, no q_lora) with V2's group-limited softmax router and one dense layer
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, eos_token_id=None, bos_token_id=None, num_key_value_heads=4, head_dim=8,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "mscale": 0.9, "mscale_all_dim": 0.9, "rope_theta": 10000.0})),
+    # MLA with q_lora, V3's biased sigmoid router over groups, scaled weights, yarn's mscale
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None, num_key_value_heads=4, head_dim=8,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0})),
 }
 
 
@@ -54,12 +70,19 @@ def make_tiny_moe(path: Path, name: str, seed: int = 0) -> Path:
     import transformers
 
     class_name, fields = TINY_MOE[name]
-    cfg = getattr(transformers, class_name)(
-        vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
-        initializer_range=0.15, tie_word_embeddings=False, **fields)
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, initializer_range=0.15, tie_word_embeddings=False)
+    cfg = getattr(transformers, class_name)(**{**common, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # decisive routers: float32 noise cannot
+                t.mul_(4)  # flip a top-k choice
+        for name, t in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a bias that changes choices
+                t.copy_(torch.randn_like(t) * 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shoal import LLM, SamplingParams
-from shoal.model.config import ModelConfig, RopeScaling
+from shoal.model.config import ModelConfig
+from shoal.model.rope_scaling import RopeScaling
 from shoal.model.llama import LlamaModel
 from shoal.model.loader import load_model_config, load_model_source
 from tests.conftest import hf_greedy, random_prompts
@@ -112,6 +113,17 @@ def test_pool_round_trip(models, prompts, expected, name, tmp_path):
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]] == expected[name]
     assert all(o.num_connector_tokens == 0 for o in runs[0])
     assert all(o.num_connector_tokens > 0 for o, p in zip(runs[1], prompts) if len(p) > 4)
+
+
+def test_yarn_rope_matches_transformers(tmp_path, prompts):
+    """YaRN (Qwen2.5's long-context recipe, DeepSeek's): blended frequencies and a cos/sin
+    factor, as transformers applies them."""
+    from transformers import AutoModelForCausalLM
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    path = make_family(tmp_path / "qwen2-yarn", "qwen2", rope_scaling=yarn)
+    assert load_model_config(str(path)).rope_scaling.factor == 4.0
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert [o.token_ids for o in run(path, prompts)] == [hf_greedy(ref, p, 16) for p in prompts]
 
 
 @pytest.mark.parametrize("mode", ["tp_size", "dp_size"])
@@ -267,9 +279,9 @@ def test_refusals_name_what_is_unsupported(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="attention_bias"):
         ModelConfig.from_hf(hf_dict(architectures=["LlamaForCausalLM"], attention_bias=True))
-    with pytest.raises(ValueError, match="'yarn'"):
+    with pytest.raises(ValueError, match="'longrope'"):
         ModelConfig.from_hf(hf_dict(architectures=["Qwen2ForCausalLM"],
-                                    rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+                                    rope_scaling={"rope_type": "longrope", "factor": 4.0}))
     import gguf
     w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))

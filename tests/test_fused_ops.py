@@ -13,7 +13,8 @@ if not pa.HAS_TRITON:
     pytest.skip("Triton is not installed", allow_module_level=True)
 
 from shoal.model import fused_ops  # noqa: E402
-from shoal.model.llama import RMSNorm, rotate_half  # noqa: E402
+from shoal.model.layers import RMSNorm  # noqa: E402
+from shoal.model.rope import rotate_half  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])

@@ -1,6 +1,6 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral): greedy outputs equal transformers' on
-one rank, under TP 2 and under ADP 2 (experts split over the ranks, no rank holding them
-all; an idle owner's padding batch joins every MoE layer)."""
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, DeepSeek-V2/V3): greedy outputs equal
+transformers' on one rank, under TP 2 and under ADP 2 (experts split over the ranks, no
+rank holding them all; an idle owner's padding batch joins every MoE layer)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from shoal import LLM, SamplingParams
 from shoal.model.config import ModelConfig
-from shoal.model.llama import LlamaModel, Shard
+from shoal.model.llama import LlamaModel
+from shoal.model.shard import Shard
 from tests.conftest import TINY_MOE, hf_greedy, random_prompts
 
 SP = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -42,7 +43,9 @@ def test_one_rank_matches_transformers(tiny_moe_models, expected, name, max_num_
 
 
 @pytest.mark.parametrize("name, kw", [("qwen3_moe", dict(tp_size=2)), ("qwen3_moe", dict(dp_size=2)),
-                                      ("mixtral", dict(dp_size=2))])
+                                      ("mixtral", dict(dp_size=2)),
+                                      ("deepseek_v2", dict(tp_size=2)),
+                                      ("deepseek_v3", dict(dp_size=2))])
 def test_experts_split_over_two_ranks_match_transformers(tiny_moe_models, expected, name, kw):
     prompts, want = expected[name]
     with LLM(str(tiny_moe_models[name]), block_size=4, num_kv_blocks=128, **kw) as llm:

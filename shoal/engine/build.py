@@ -21,7 +21,8 @@ from shoal.kv.block_keys import make_namespace
 from shoal.kv.kv_cache import KVCache, KVCacheLayout
 from shoal.kv.kv_cache_manager import KVCacheManager
 from shoal.model.attention_backend import default_backend
-from shoal.model.llama import LlamaModel, rope_inv_freq
+from shoal.model.llama import LlamaModel
+from shoal.model.rope import rope_inv_freq
 from shoal.model.loader import load_model_source
 from shoal.model.tokenizer import Tokenizer
 
@@ -89,20 +90,20 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     cfg = source.config
     tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
     with torch.device("meta"):
-        model = LlamaModel(cfg, peers.shard, default_backend(device))
-    model = model.to(dtype).to_empty(device=device)  # storage allocated once, in its dtype
+        model = LlamaModel(cfg, peers.shard, default_backend(device, cfg.is_mla))
+    model = model.to_dtype(dtype).to_empty(device=device)  # storage allocated once, in its dtype
     model.tie_weights_if_needed()
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the dtype (as transformers)
     model.load_hf_state_dict(source.weights)
     model.eval()
     del source.weights
 
-    num_kv_heads = cfg.num_kv_heads // peers.shard.attention_size
-    probe = KVCacheLayout(1, cfg.num_layers, config.block_size, num_kv_heads, cfg.head_dim, dtype)
+    parts, heads, dim = cfg.kv_token_shape(peers.shard.attention_size)
+    probe = KVCacheLayout(1, cfg.num_layers, config.block_size, heads, dim, dtype, parts)
     num_blocks = config.num_kv_blocks or max(
         int(config.kv_cache_gb * (1 << 30)) // probe.block_nbytes, 1)
-    layout = KVCacheLayout(num_blocks, cfg.num_layers, config.block_size, num_kv_heads,
-                           cfg.head_dim, dtype)
+    layout = KVCacheLayout(num_blocks, cfg.num_layers, config.block_size, heads, dim, dtype,
+                           parts)
     kv_cache = KVCache(layout, device)
     identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
                                digest_size=16).hexdigest()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from shoal.connectors.base import ConnectorError
-from shoal.model.llama import Shard
+from shoal.model.shard import Shard
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The paged KV cache: one tensor per engine, block-major.
 
-Layout `[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]`: all
+Layout `[num_blocks, num_layers, parts, block_size, num_kv_heads, head_dim]`: all
 layers' K and V of one block are one contiguous run of `block_nbytes` bytes, so the
-pool moves a block with one large copy instead of 2 * num_layers small ones.
+pool moves a block with one large copy instead of 2 * num_layers small ones. Two parts
+(K, V) per layer, or one for latent attention (MLA: one head of latent + rotary key).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ class KVCacheLayout:
     num_kv_heads: int  # heads held by this rank
     head_dim: int
     dtype: torch.dtype
+    parts: int = 2  # K and V; 1: MLA's latent (its value is part of it)
     layout_version: int = KV_LAYOUT_VERSION
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one block: [num_layers, parts, block_size, num_kv_heads, head_dim]."""
+        return (self.num_layers, self.parts, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_nbytes(self) -> int:
@@ -52,8 +54,10 @@ class KVCache:
         self.tensor = storage[:layout.num_blocks]  # what the block pool and connectors see
         self.scratch_block = layout.num_blocks
         # layer i -> (k, v), each a [num_blocks + 1, block_size, num_kv_heads, head_dim] view
-        self.layers = [(storage[:, i, 0], storage[:, i, 1]) for i in range(layout.num_layers)]
+        # (MLA: (latent, None))
+        self.layers = [(storage[:, i, 0], storage[:, i, 1] if layout.parts == 2 else None)
+                       for i in range(layout.num_layers)]
 
     def block(self, block_id: int) -> torch.Tensor:
-        """One block's bytes for all layers: a contiguous [num_layers, 2, bs, H, D] view."""
+        """One block's bytes for all layers: a contiguous [num_layers, parts, bs, H, D] view."""
         return self.tensor[block_id]

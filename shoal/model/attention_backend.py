@@ -35,11 +35,11 @@ class TorchBackend:
         table = p.block_table.long()
         decodes = [s for s, n in enumerate(lens) if n == 1]
         if len(decodes) == len(lens):  # steady-state decode: rows in request order
-            return _decode(q, table, ctxs, k_cache, v_cache)
+            return decode_attention(q, table, ctxs, k_cache, v_cache)
         out = torch.empty_like(q)
         if decodes:
             rows = to_device([starts[s] for s in decodes], q.device)
-            out[rows] = _decode(q[rows], table[decodes], [ctxs[s] for s in decodes],
+            out[rows] = decode_attention(q[rows], table[decodes], [ctxs[s] for s in decodes],
                                 k_cache, v_cache)
         bs = k_cache.shape[1]
         for s, (start, n, ctx) in enumerate(zip(starts, lens, ctxs)):
@@ -66,13 +66,16 @@ class TritonBackend:
                              p.context_lens, p.max_query_len)
 
 
-def default_backend(device: torch.device) -> TorchBackend | TritonBackend:
-    """The kernels on a CUDA device with Triton; the torch ops anywhere else."""
+def default_backend(device: torch.device, is_mla: bool = False) -> TorchBackend | TritonBackend:
+    """The kernels on a CUDA device with Triton; the torch ops anywhere else, and for latent
+    attention (MLA), which has no paged kernel yet."""
     from shoal.model.paged_attention import HAS_TRITON
-    return TritonBackend() if device.type == "cuda" and HAS_TRITON else TorchBackend()
+    if device.type == "cuda" and HAS_TRITON and not is_mla:
+        return TritonBackend()
+    return TorchBackend()
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """block_ids [..., nb] of a cache [N, bs, Hkv, D] -> [..., Hkv, nb * bs, D]."""
     blocks = cache.index_select(0, block_ids.reshape(-1))
     blocks = blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
@@ -82,30 +85,40 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 def _prefill(q, block_ids, ctx: int, k_cache, v_cache):
     """q [n, Hq, D], the last n of the request's `ctx` positions, attends to the context
     [0, ctx) causally; `block_ids` [cdiv(ctx, block_size)]."""
-    n = q.shape[0]
-    keys = _gather(k_cache, block_ids)[:, :ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
-    values = _gather(v_cache, block_ids)[:, :ctx].unsqueeze(0)
+    keys = gather_blocks(k_cache, block_ids)[:, :ctx]  # [Hkv, ctx, D]
+    return causal_attention(q, keys, gather_blocks(v_cache, block_ids)[:, :ctx])
+
+
+def causal_attention(q, keys, values, scale: float | None = None):
+    """q [n, Hq, D], the last n of the ctx positions of keys [Hkv, ctx, D] and values
+    [Hkv, ctx, Dv], attends to them causally -> [n, Hq, Dv]. `scale`: of the logits
+    (1/sqrt(D) when None)."""
+    n, ctx = q.shape[0], keys.shape[1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     if n == ctx:
-        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                           enable_gqa=True)
     else:
         # Query i sits at position ctx - n + i and sees keys j <= that position.
         q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-    return o.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)  # [n, Hq, Dv]
 
 
-def _decode(q, table, ctxs: list[int], k_cache, v_cache):
+def decode_attention(q, table, ctxs: list[int], k_cache, v_cache, scale: float | None = None):
     """q [B, Hq, D]: one query per request at the end of its context of ctxs[b] tokens;
-    `table` [B, W] its blocks (padded with any block: masked)."""
+    `table` [B, W] its blocks (padded with any block: masked) -> [B, Hq, Dv]. `scale`: of
+    the logits (1/sqrt(D) when None)."""
     ctx = max(ctxs)
-    keys = _gather(k_cache, table)[:, :, :ctx]  # [B, Hkv, ctx, D]
-    values = _gather(v_cache, table)[:, :, :ctx]
+    keys = gather_blocks(k_cache, table)[:, :, :ctx]  # [B, Hkv, ctx, D]
+    values = gather_blocks(v_cache, table)[:, :, :ctx]
     mask = None
     if min(ctxs) != ctx:
         lens = to_device(ctxs, q.device)
         mask = (torch.arange(ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                       enable_gqa=True)
-    return o.squeeze(2)  # [B, Hq, D]
+                                       scale=scale, enable_gqa=True)
+    return o.squeeze(2)  # [B, Hq, Dv]

@@ -10,18 +10,23 @@ few switches; `FAMILIES` names them and `ModelConfig` carries the switches:
     qwen3     Qwen3ForCausalLM         qwen3                -            yes
     qwen3_moe Qwen3MoeForCausalLM      -                    -            yes    routed experts
     mixtral   MixtralForCausalLM       -                    -            -      routed experts
+    deepseek_v2  DeepseekV2ForCausalLM -                    MLA                 routed + shared
+    deepseek_v3  DeepseekV3ForCausalLM -                    MLA                 routed + shared
 
 The mixture-of-experts families replace the MLP of some layers (Qwen3-MoE: those its
-`decoder_sparse_step` and `mlp_only_layers` pick; Mixtral: all) with top-k routed experts
-(shoal/model/moe.py).
+`decoder_sparse_step` and `mlp_only_layers` pick; Mixtral: all; DeepSeek: from
+`first_k_dense_replace` on) with top-k routed experts (shoal/model/moe.py). DeepSeek's
+attention is multi-head latent attention (shoal/model/mla.py): each token keeps one
+compressed latent and one rotary key per layer instead of K and V per head.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from shoal.model.rope_scaling import RopeScaling, YarnScaling
 
 
 @dataclass(frozen=True)
@@ -40,88 +45,19 @@ FAMILIES = {
     "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True),
     "mixtral": Family("MixtralForCausalLM", qkv_bias=False, qk_norm=False),
+    "deepseek_v2": Family("DeepseekV2ForCausalLM", qkv_bias=False, qk_norm=False),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False),
 }
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+# how the router picks a token's experts (the names of DeepSeek's configs):
+#   greedy                the top k of the softmax scores
+#   group_limited_greedy  the same among the experts of the topk_groups groups whose best
+#                         score is highest (DeepSeek-V2)
+#   noaux_tc              sigmoid scores plus a per-expert bias choose (the bias only
+#                         chooses, it does not weigh), within the topk_groups groups whose
+#                         two best biased scores sum highest (DeepSeek-V3)
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 HF_ARCHITECTURES = {f.hf_architecture: name for name, f in FAMILIES.items()}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """llama3-style RoPE frequency scaling (None on a ModelConfig means plain RoPE)."""
-
-    factor: float  # how much longer than the original context the model was tuned for
-    low_freq_factor: float  # wavelengths above original/low_freq_factor are divided by factor
-    high_freq_factor: float  # wavelengths below original/high_freq_factor are kept
-    original_max_position_embeddings: int  # context length before scaling
-
-    @classmethod
-    def from_freq_factors(cls, factors: list[float], rope_theta: float,
-                          head_dim: int) -> "RopeScaling | None":
-        """The llama3 parameters that reproduce llama.cpp's per-frequency divisors (GGUF
-        `rope_freqs`: frequency i is divided by factors[i]); None when every divisor is 1.
-
-        llama.cpp bakes the scaling into that tensor and keeps no parameters. Only factor,
-        original/low_freq_factor and original/high_freq_factor are observable (scaling the
-        three together changes no frequency), so low_freq_factor is taken as 1, as in every
-        Llama 3.x release; the rest is fitted on the smoothed band and then checked against
-        every divisor. ValueError when no llama3 parameters reproduce them."""
-        if len(factors) != head_dim // 2:
-            raise ValueError(f"rope_freqs has {len(factors)} entries, expected head_dim/2 = "
-                             f"{head_dim // 2}")
-        if all(abs(f - 1) < 1e-6 for f in factors):
-            return None
-        wavelens = _wavelengths(rope_theta, head_dim)
-        factor = max(factors)
-        # In the band, 1/f = (1 - s)/factor + s, with s linear in 1/wavelen:
-        #   s = original/(high - 1) * (1/wavelen) - 1/(high - 1)        (low_freq_factor = 1)
-        band = [(1 / w, (1 / f - 1 / factor) / (1 - 1 / factor))
-                for w, f in zip(wavelens, factors) if 1 + 1e-6 < f < factor * (1 - 1e-6)]
-        if len(band) < 2:
-            raise ValueError(f"rope_freqs has {len(band)} smoothed entries; at least 2 are "
-                             "needed to recover its llama3 RoPE scaling")
-        slope, intercept = _fit_line(band)
-        if intercept >= 0 or slope <= 0:
-            raise ValueError("rope_freqs is not a llama3 RoPE scaling (its smoothed band "
-                             "does not grow with frequency)")
-        high = 1 - 1 / intercept
-        scaling = cls(factor=round(factor, 4), low_freq_factor=1.0,
-                      high_freq_factor=round(high, 4),
-                      original_max_position_embeddings=round(slope * (high - 1)))
-        expected = scaling.freq_factors(rope_theta, head_dim)
-        worst = max(abs(a - b) / b for a, b in zip(factors, expected))
-        if worst > 1e-4:
-            raise ValueError(f"rope_freqs is not a llama3 RoPE scaling (the closest, {scaling}, "
-                             f"is off by {worst:.2g} relative)")
-        return scaling
-
-    def freq_factors(self, rope_theta: float, head_dim: int) -> list[float]:
-        """llama.cpp's divisor per frequency [head_dim/2] (its converter's formula)."""
-        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-        out = []
-        for w in _wavelengths(rope_theta, head_dim):
-            if w < high_wavelen:
-                out.append(1.0)
-            elif w > low_wavelen:
-                out.append(self.factor)
-            else:
-                s = ((self.original_max_position_embeddings / w - self.low_freq_factor)
-                     / (self.high_freq_factor - self.low_freq_factor))
-                out.append(1 / ((1 - s) / self.factor + s))
-        return out
-
-
-def _wavelengths(rope_theta: float, head_dim: int) -> list[float]:
-    return [2 * math.pi * rope_theta ** (i / head_dim) for i in range(0, head_dim, 2)]
-
-
-def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares slope and intercept through (x, y) points (at least two distinct x)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    slope = (sum((x - mx) * (y - my) for x, y in points)
-             / sum((x - mx) ** 2 for x, _ in points))
-    return slope, my - slope * mx
 
 
 @dataclass(frozen=True)
@@ -135,12 +71,13 @@ class ModelConfig:
     num_layers: int
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA when < num_heads)
-    head_dim: int  # explicit in Qwen3 and some Mistrals (not hidden_size / num_heads)
+    head_dim: int  # explicit in Qwen3 and some Mistrals (not hidden_size / num_heads); MLA:
+    # the rotary part of q and k only (qk_rope_head_dim)
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int  # longest context the model accepts
     tie_word_embeddings: bool
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
     family: str = "llama"  # a key of FAMILIES
@@ -152,6 +89,17 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's SwiGLU width
     norm_topk_prob: bool = False  # the top k weights renormalised to sum to 1
     moe_layers: tuple[int, ...] = field(default=())  # layers whose MLP is the experts
+    num_shared_experts: int = 0  # experts every token goes through (DeepSeek)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
+    topk_method: str = "greedy"  # one of TOPK_METHODS
+    num_expert_groups: int = 1  # the group-limited methods: experts in this many groups,
+    topk_groups: int = 1  # of which this many are chosen from
+    # multi-head latent attention (DeepSeek; kv_lora_rank 0: K and V per head)
+    kv_lora_rank: int = 0  # the latent each token keeps per layer
+    q_lora_rank: int = 0  # q through a low-rank bottleneck of this width (0: one projection)
+    qk_nope_head_dim: int = 0  # per head, the q/k dimensions without rotation
+    v_head_dim: int = 0  # per head, the value dimensions
+    rope_interleave: bool = False  # rotary pairs (2i, 2i+1) instead of (i, i + head_dim/2)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -176,6 +124,42 @@ class ModelConfig:
             if not all(0 <= i < self.num_layers for i in self.moe_layers):
                 raise ValueError(f"ModelConfig.moe_layers must be layer indices below "
                                  f"{self.num_layers}, got {self.moe_layers}")
+            self._check_routing()
+        if self.kv_lora_rank:
+            for name in ("qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"ModelConfig.{name} must be >= 1 with multi-head latent "
+                                     f"attention, got {getattr(self, name)}")
+
+    def _check_routing(self) -> None:
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"ModelConfig.topk_method must be one of {TOPK_METHODS}, got "
+                             f"{self.topk_method!r}")
+        groups = self.num_expert_groups
+        if groups < 1 or self.num_experts % groups:
+            raise ValueError(f"ModelConfig.num_expert_groups ({groups}) must divide num_experts "
+                             f"({self.num_experts})")
+        if not 1 <= self.topk_groups <= groups:
+            raise ValueError(f"ModelConfig.topk_groups must be in [1, num_expert_groups="
+                             f"{groups}], got {self.topk_groups}")
+        if self.topk_method != "greedy" and (
+                self.num_experts_per_tok > self.topk_groups * (self.num_experts // groups)):
+            raise ValueError(f"ModelConfig.num_experts_per_tok ({self.num_experts_per_tok}) must "
+                             f"fit in topk_groups={self.topk_groups} groups of "
+                             f"{self.num_experts // groups} experts")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: the cache keeps a latent per token, not K and V."""
+        return self.kv_lora_rank > 0
+
+    def kv_token_shape(self, attention_size: int = 1) -> tuple[int, int, int]:
+        """(parts, heads, dim) of one token's KV in one layer on a rank that holds
+        1/attention_size of the heads: K and V of its kv heads, or (MLA) one part holding
+        the latent and the rotary key, the same on every rank."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.head_dim
+        return 2, self.num_kv_heads // attention_size, self.head_dim
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): part of the model identity hashed into block keys."""
@@ -188,6 +172,8 @@ class ModelConfig:
         _check_hf_supported(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        if family in DEEPSEEK:
+            head_dim = cfg["qk_rope_head_dim"]
         # transformers 4.x calls it rope_scaling, 5.x rope_parameters (which also holds theta).
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -198,8 +184,11 @@ class ModelConfig:
                 low_freq_factor=float(rope["low_freq_factor"]),
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        elif rope_type == "yarn":
+            scaling = YarnScaling.from_hf(rope, cfg.get("max_position_embeddings", 2048))
         elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, "
+                             "llama3, yarn)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         max_len = cfg.get("max_position_embeddings", 2048)
@@ -223,11 +212,24 @@ class ModelConfig:
             qkv_bias=FAMILIES[family].qkv_bias,
             qk_norm=FAMILIES[family].qk_norm,
             **_hf_moe(cfg, family),
+            **_hf_mla(cfg, family),
         )
+
+
+def _hf_mla(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The latent attention fields of a DeepSeek config (none for the other families)."""
+    if family not in DEEPSEEK:
+        return {}
+    return dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+                # V2 rotates pairs (as complex numbers); V3 says so, and does by default
+                rope_interleave=family == "deepseek_v2" or bool(cfg.get("rope_interleave", True)))
 
 
 def _hf_moe(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a HF config (none for a dense family)."""
+    if family in DEEPSEEK:
+        return _hf_deepseek_moe(cfg, family)
     if family not in ("qwen3_moe", "mixtral"):
         return {}
     # transformers 5 writes num_local_experts; the hub's Qwen3-MoE configs say num_experts
@@ -244,6 +246,25 @@ def _hf_moe(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         width, norm = cfg.get("moe_intermediate_size", 0), bool(cfg.get("norm_topk_prob", False))
     return dict(num_experts=num_experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
                 moe_intermediate_size=int(width), norm_topk_prob=norm, moe_layers=layers)
+
+
+def _hf_deepseek_moe(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    num_experts = int(cfg.get("n_routed_experts") or 0)
+    first, every = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+    layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                   if num_experts and i >= first and i % every == 0)
+    norm = bool(cfg.get("norm_topk_prob"))
+    if family == "deepseek_v2" and norm and num_experts:
+        # no released V2 sets it, and DeepSeek's code and transformers' disagree on its meaning
+        raise ValueError("config.json norm_topk_prob=true is not supported for DeepSeek-V2")
+    method = "noaux_tc" if family == "deepseek_v3" else (cfg.get("topk_method") or "greedy")
+    return dict(num_experts=num_experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                norm_topk_prob=norm, moe_layers=layers,
+                num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                topk_method=method, num_expert_groups=int(cfg.get("n_group") or 1),
+                topk_groups=int(cfg.get("topk_group") or 1))
 
 
 def hf_family(cfg: dict[str, Any]) -> str:
@@ -272,6 +293,10 @@ def _check_hf_supported(cfg: dict[str, Any]) -> None:
     for name in ("attention_bias", "mlp_bias"):
         if cfg.get(name):
             raise ValueError(f"config.json {name}=true is not supported")
+    if cfg.get("quantization_config"):  # DeepSeek-V3's hub weights are fp8 blocks
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"config.json quantization_config ({method}) is not supported: use "
+                         "the checkpoint's bf16 weights")
 
 
 def hf_sliding_window(cfg: dict[str, Any], family: str) -> int | None:

@@ -9,16 +9,18 @@ match it token for token.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shoal.model.attention_backend import TorchBackend
 from shoal.model.config import ModelConfig
+from shoal.model.layers import MLP, RMSNorm
+from shoal.model.mla import MLAttention
 from shoal.model.moe import SparseMoE
+from shoal.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
+from shoal.model.shard import Shard
 
 
 @dataclass
@@ -44,67 +46,6 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] offset of that slot inside its block
     paged: PagedInputs
     dp_token_counts: list[int] | None = None  # ADP: every owner's tokens in this forward
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the variance in float32 whatever the dtype (as transformers computes it)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with llama3 scaling when configured."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """This rank's slice of a tensor-parallel model.
-
-    TP: heads and MLP are split, every rank sees the same tokens. ADP: attention is whole
-    on every rank (each owner attends over its own requests), the MLP is split, and each
-    layer gathers every owner's tokens before it and hands each owner its rows after."""
-
-    rank: int = 0
-    size: int = 1
-    reduce: object = None  # callable summing a tensor in place over the shard's ranks
-    gather: object = None  # ADP: callable all-gathering equal-sized tensors (None in TP)
-
-    @property
-    def shards_attention(self) -> bool:
-        return self.gather is None
-
-    @property
-    def attention_size(self) -> int:
-        return self.size if self.shards_attention else 1
-
-    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.size == 1 else self.reduce(t)
 
 
 class Attention(nn.Module):
@@ -140,47 +81,23 @@ class Attention(nn.Module):
         if not fused:
             if self.q_norm is not None:  # per head, before RoPE (as transformers' Qwen3)
                 q, k = self.q_norm(q), self.k_norm(k)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.backend.store(k, v, k_cache, v_cache, meta)
         # an ADP padding step (no tokens: this owner has nothing, its peers do) attends nothing
         out = self.backend.attend(q, meta, k_cache, v_cache) if num_tokens else q
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return self.shard.all_reduce_(out) if self.shard.shards_attention else out
 
-
-class MLP(nn.Module):
-    """SwiGLU; gate/up column-parallel, down row-parallel over the shard's ranks."""
-
-    def __init__(self, cfg: ModelConfig, shard: Shard, backend):
-        super().__init__()
-        self.shard = shard
-        self.backend = backend
-        self.intermediate_size = cfg.intermediate_size // shard.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x, meta: AttentionMetadata):
-        fused = self.backend.fused
-        if self.shard.gather is None:
-            return self.shard.all_reduce_(self._mlp(x, fused))
-        # ADP: rows of every owner, padded to the longest, through this rank's MLP columns;
-        # the sum over ranks is the full MLP output, of which this owner keeps its rows.
-        counts = meta.dp_token_counts
-        width, mine = max(counts), x.shape[0]
-        padded = F.pad(x, (0, 0, 0, width - mine))  # [width, hidden]
-        every = self.shard.gather(padded)  # [num_owners * width, hidden]
-        out = self.shard.all_reduce_(self._mlp(every, fused))
-        return out[self.shard.rank * width:self.shard.rank * width + mine]
-
-    def _mlp(self, x, fused: bool):
-        gate_up = self.gate_up_proj(x)
-        if fused:  # one kernel
-            from shoal.model.fused_ops import silu_mul
-            return self.down_proj(silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def load(self, take, prefix: str) -> None:
+        """Copy in HF weights `prefix + name` (q/k/v merged): this rank's heads."""
+        rows = self.shard.head_rows
+        self.qkv_proj.weight.copy_(torch.cat([rows(take(f"{prefix}{x}_proj.weight")) for x in "qkv"]))
+        if self.qkv_proj.bias is not None:  # this rank's heads, like the weight rows
+            self.qkv_proj.bias.copy_(torch.cat([rows(take(f"{prefix}{x}_proj.bias")) for x in "qkv"]))
+        if self.q_norm is not None:
+            self.q_norm.weight.copy_(take(prefix + "q_norm.weight"))
+            self.k_norm.weight.copy_(take(prefix + "k_norm.weight"))
+        self.o_proj.weight.copy_(self.shard.head_cols(take(prefix + "o_proj.weight")))
 
 
 class DecoderLayer(nn.Module):
@@ -188,10 +105,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.backend = backend
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, shard, backend)
+        self.self_attn = (MLAttention(cfg, layer_idx, shard) if cfg.is_mla
+                          else Attention(cfg, layer_idx, shard, backend))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (SparseMoE(cfg, shard) if layer_idx in cfg.moe_layers
-                    else MLP(cfg, shard, backend))
+        self.mlp = (SparseMoE(cfg, shard, backend) if layer_idx in cfg.moe_layers
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, shard, backend))
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         if not self.backend.fused:  # the reference ops
@@ -204,10 +122,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h, meta)
 
 
-def _whole(w: torch.Tensor) -> torch.Tensor:
-    return w
-
-
 def check_shardable(cfg: ModelConfig, size: int, field: str = "tp_size") -> None:
     """ValueError unless `size` divides every dimension the split touches (ADP, named by
     field="dp_size", splits only the MLP: the dense one by columns, the experts by expert)."""
@@ -216,8 +130,13 @@ def check_shardable(cfg: ModelConfig, size: int, field: str = "tp_size") -> None
         dims.append(("intermediate_size", cfg.intermediate_size))
     if cfg.moe_layers:
         dims.append(("num_experts", cfg.num_experts))
-    if field == "tp_size":
-        dims = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), *dims]
+    if cfg.num_shared_experts:
+        dims.append(("shared experts' width", cfg.moe_intermediate_size * cfg.num_shared_experts))
+    if field == "tp_size":  # the heads (MLA: the latent is whole on every rank)
+        heads = [("num_heads", cfg.num_heads)]
+        if not cfg.is_mla:
+            heads.append(("num_kv_heads", cfg.num_kv_heads))
+        dims = [*heads, *dims]
     for name, n in dims:
         if n % size:
             raise ValueError(f"{field}={size} must divide the model's {name} ({n})")
@@ -239,6 +158,18 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights_if_needed()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_factor = rope_attention_factor(cfg)
+
+    def to_dtype(self, dtype: torch.dtype) -> "LlamaModel":
+        """The parameters in `dtype`, but for what the family keeps in float32 (DeepSeek's
+        router and its expert bias, as transformers does)."""
+        self.to(dtype)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE) and layer.mlp.float32_router:
+                layer.mlp.gate.float()
+                if layer.mlp.score_bias is not None:
+                    layer.mlp.score_bias.data = layer.mlp.score_bias.data.float()
+        return self
 
     def use_backend(self, backend) -> None:
         """Read and write the cache through `backend` from now on (every layer)."""
@@ -261,7 +192,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # tables in float32, applied in x's
+        cos, sin = emb.cos(), emb.sin()  # tables in float32, applied in x's dtype
+        if self.rope_factor != 1.0:  # YaRN
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
             if layer_hooks is not None:
                 layer_hooks.wait_for_layer_load(i)
@@ -275,8 +209,8 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named Llama weights in, merging q/k/v and gate/up; every weight must be used."""
-        own = dict(self.named_parameters())
+        """Copy HF-named weights in (each layer takes its own, merging q/k/v and gate/up and
+        keeping this rank's share); every weight must be used."""
         used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
@@ -285,47 +219,32 @@ class LlamaModel(nn.Module):
             used.add(name)
             return weights[name]
 
-        r, n = self.shard.rank, self.shard.size
-
-        def rows(w: torch.Tensor) -> torch.Tensor:  # this rank's output features
-            step = w.shape[0] // n
-            return w[r * step:(r + 1) * step]
-
-        def cols(w: torch.Tensor) -> torch.Tensor:  # this rank's input features
-            step = w.shape[1] // n
-            return w[:, r * step:(r + 1) * step]
-
-        attn_rows, attn_cols = (rows, cols) if self.shard.shards_attention else (_whole, _whole)
-
         with torch.no_grad():
-            own["embed_tokens.weight"].copy_(take("model.embed_tokens.weight"))
-            own["norm.weight"].copy_(take("model.norm.weight"))
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
             if not self.cfg.tie_word_embeddings:
-                own["lm_head.weight"].copy_(take("lm_head.weight"))
+                self.lm_head.weight.copy_(take("lm_head.weight"))
             elif "lm_head.weight" in weights:
                 used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
-            for i in range(self.cfg.num_layers):
-                p, hf = f"layers.{i}.", f"model.layers.{i}."
-                own[p + "input_layernorm.weight"].copy_(take(hf + "input_layernorm.weight"))
-                own[p + "post_attention_layernorm.weight"].copy_(
+            for i, layer in enumerate(self.layers):
+                hf = f"model.layers.{i}."
+                layer.input_layernorm.weight.copy_(take(hf + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(
                     take(hf + "post_attention_layernorm.weight"))
-                own[p + "self_attn.qkv_proj.weight"].copy_(torch.cat(
-                    [attn_rows(take(hf + f"self_attn.{x}_proj.weight")) for x in "qkv"]))
-                if self.cfg.qkv_bias:  # this rank's heads, like the weight rows
-                    own[p + "self_attn.qkv_proj.bias"].copy_(torch.cat(
-                        [attn_rows(take(hf + f"self_attn.{x}_proj.bias")) for x in "qkv"]))
-                if self.cfg.qk_norm:
-                    for x in "qk":
-                        own[p + f"self_attn.{x}_norm.weight"].copy_(
-                            take(hf + f"self_attn.{x}_norm.weight"))
-                own[p + "self_attn.o_proj.weight"].copy_(
-                    attn_cols(take(hf + "self_attn.o_proj.weight")))
+                layer.self_attn.load(take, hf + "self_attn.")
                 if i in self.cfg.moe_layers:  # the router and this rank's experts
-                    self.layers[i].mlp.load(take, used.add, hf, self.cfg.family)
-                    continue
-                own[p + "mlp.gate_up_proj.weight"].copy_(torch.cat(
-                    [rows(take(hf + "mlp.gate_proj.weight")), rows(take(hf + "mlp.up_proj.weight"))]))
-                own[p + "mlp.down_proj.weight"].copy_(cols(take(hf + "mlp.down_proj.weight")))
-        unused = sorted(set(weights) - used - {k for k in weights if "rotary_emb" in k})
+                    layer.mlp.load(take, used.add, hf)
+                else:
+                    layer.mlp.load(take, hf + "mlp.")
+        unused = sorted(set(weights) - used - {k for k in weights if self._ignored(k)})
         if unused:
             raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")
+
+    def _ignored(self, name: str) -> bool:
+        """Weights a checkpoint may carry that Shoal does not use: rotary tables, and
+        DeepSeek-V3's multi-token prediction layers (numbered after the last layer)."""
+        if "rotary_emb" in name:
+            return True
+        parts = name.split(".")
+        return (self.cfg.family == "deepseek_v3" and name.startswith("model.layers.")
+                and int(parts[2]) >= self.cfg.num_layers)

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shoal.model.config import FAMILIES, ModelConfig, RopeScaling
+from shoal.model.config import FAMILIES, ModelConfig
+from shoal.model.rope_scaling import RopeScaling
 from shoal.model.presets import PRESETS, cache_dir, fetch_preset
 
 

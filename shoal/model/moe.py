@@ -1,12 +1,13 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts,
-each a SwiGLU of its own, and their outputs are summed weighted by the router.
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V2/V3): a router picks each token's
+top-k experts, each a SwiGLU of its own, and their outputs are summed weighted by the
+router; DeepSeek adds shared experts that every token goes through.
 
-The router is whole on every rank; the experts are split over the shard's ranks in order
-(E / size each: no rank holds them all). Each rank runs its own experts on the tokens
-routed to them, and the partial outputs are summed over the ranks: under TP every rank has
-every token; under ADP the owners' tokens are gathered first and each owner keeps its
-rows, as for the dense MLP. The arithmetic follows transformers' (softmax in float32,
-top-k, optional renormalisation, weights in the activations' dtype, experts in order).
+The router is whole on every rank; the routed experts are split over the shard's ranks in
+order (E / size each: no rank holds them all), the shared experts by columns. Each rank
+runs its experts on the tokens routed to them (`Shard.every_token`: under ADP the owners'
+tokens are gathered first, as for the dense MLP), and the partial outputs are summed over
+the ranks. The arithmetic follows transformers' (scores in float32, the top k, optional
+renormalisation and scaling, weights in the activations' dtype, experts in order).
 """
 
 from __future__ import annotations
@@ -15,47 +16,74 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.model.config import ModelConfig
+from shoal.model.config import DEEPSEEK, ModelConfig
+from shoal.model.layers import MLP
 
 # family -> (the HF module holding the router and experts, expert weight names: gate, up, down)
 HF_MOE_NAMES = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard):
+    def __init__(self, cfg: ModelConfig, shard, backend):
         super().__init__()
+        self.cfg = cfg
         self.shard = shard
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_local = cfg.num_experts // shard.size
         self.first = shard.rank * self.num_local  # this rank's experts: [first, first + num_local)
         self.intermediate_size = cfg.moe_intermediate_size
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        # DeepSeek-V3: added to the scores to choose the experts, not to weigh them
+        self.score_bias = (nn.Parameter(torch.zeros(cfg.num_experts))
+                           if cfg.topk_method == "noaux_tc" else None)
         self.gate_up = nn.Parameter(torch.empty(self.num_local, 2 * self.intermediate_size,
                                                 cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(self.num_local, cfg.hidden_size,
                                              self.intermediate_size))
+        self.shared = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts,
+                           shard, backend) if cfg.num_shared_experts else None)
+
+    @property
+    def float32_router(self) -> bool:
+        """DeepSeek's router weighs in float32 whatever the model's dtype (as transformers)."""
+        return self.cfg.family in DEEPSEEK
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
-        if self.shard.gather is None:
-            return self.shard.all_reduce_(self._experts(x))
-        # ADP: every owner's rows, padded to the longest, through this rank's experts; the
-        # sum over ranks is the whole layer, of which this owner keeps its rows
-        counts = meta.dp_token_counts
-        width, mine = max(counts), x.shape[0]
-        every = self.shard.gather(F.pad(x, (0, 0, 0, width - mine)))
-        out = self.shard.all_reduce_(self._experts(every))
-        return out[self.shard.rank * width:self.shard.rank * width + mine]
+        return self.shard.every_token(x, meta, self.partial)
 
-    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k])."""
+        cfg = self.cfg
+        if self.float32_router:
+            logits = F.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = F.linear(x, self.gate.weight)
+        if cfg.topk_method == "noaux_tc":
+            scores = logits.float().sigmoid()
+            choice = scores + self.score_bias.float()
+        else:
+            scores = choice = torch.softmax(logits.float(), dim=-1)
+        if cfg.topk_method != "greedy":  # only the experts of the best groups may be chosen
+            groups = choice.view(x.shape[0], cfg.num_expert_groups, -1)
+            group_score = (groups.max(dim=-1).values if cfg.topk_method == "group_limited_greedy"
+                           else groups.topk(2, dim=-1).values.sum(dim=-1))
+            best = group_score.topk(cfg.topk_groups, dim=-1).indices
+            allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~allowed.repeat_interleave(groups.shape[-1], dim=1),
+                                        float("-inf"))
+        chosen = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * cfg.routed_scaling_factor).to(x.dtype), chosen
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share of the layer's output for the rows of `x`."""
-        logits = F.linear(x, self.gate.weight)
-        weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
+        weights, chosen = self.route(x)
         out = torch.zeros_like(x)
         local = chosen - self.first  # [T, k]: an index of this rank's experts, or outside
         for e in range(self.num_local):
@@ -65,16 +93,19 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
             h = F.linear(F.silu(gate) * up, self.down[e]) * weights[rows, slots, None]
             out.index_add_(0, rows, h.to(out.dtype))
+        if self.shared is not None:
+            out = out + self.shared.partial(x)
         return out
 
-    def load(self, take, skip, hf_prefix: str, family: str) -> None:
+    def load(self, take, skip, hf_prefix: str) -> None:
         """Copy in the router and this rank's experts from HF-named weights (`take(name)`
         returns one and marks it used; `skip(name)` marks another rank's as used)."""
-        module, (g, u, d) = HF_MOE_NAMES[family]
+        module, (g, u, d) = HF_MOE_NAMES[self.cfg.family]
         base = f"{hf_prefix}{module}."
         self.gate.weight.copy_(take(base + "gate.weight"))
-        num_experts = self.gate.weight.shape[0]
-        for e in range(num_experts):
+        if self.score_bias is not None:
+            self.score_bias.copy_(take(base + "gate.e_score_correction_bias"))
+        for e in range(self.cfg.num_experts):
             names = [f"{base}experts.{e}.{w}.weight" for w in (g, u, d)]
             if not self.first <= e < self.first + self.num_local:
                 for name in names:
@@ -83,3 +114,5 @@ class SparseMoE(nn.Module):
             gate_w, up_w, down_w = (take(n) for n in names)
             self.gate_up[e - self.first].copy_(torch.cat([gate_w, up_w]))
             self.down[e - self.first].copy_(down_w)
+        if self.shared is not None:
+            self.shared.load(take, base + "shared_experts.")

@@ -27,7 +27,7 @@ from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorError
 from shoal.engine.engine import Engine
 from shoal.engine.peers import LocalAgreement, LocalSync, Peers, Topology
-from shoal.model.llama import Shard
+from shoal.model.shard import Shard
 from shoal.parallel import messages as msg
 from shoal.parallel.agreement import TpAgreement
 from shoal.parallel.comm import Comm
