@@ -96,3 +96,27 @@ def test_cli_dtype_flag_reaches_the_engine_config():
 def test_bad_dtype_names_the_field(tiny_model):
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_model, dtype="float64")
+
+
+def test_deepseek_in_bfloat16_keeps_its_router_in_float32(tiny_moe_models):
+    """MLA and the biased sigmoid router in bfloat16 against transformers in bfloat16, which
+    keeps the router's weight (and Shoal its expert bias) in float32. Compared on the token
+    each prompt's prefill picks: later tokens come from the absorbed decode, whose bfloat16
+    rounding differs from transformers' expanded form (as accurate: tests/test_mla.py), and
+    one flipped expert choice in a tiny random model moves the logits far."""
+    path = tiny_moe_models["deepseek_v3"]
+    prompts = random_prompts(512, [5, 17, 40, 33], seed=12)
+    ref = hf_model(path, torch.bfloat16)
+    assert ref.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    with LLM(str(path), dtype="bfloat16", block_size=4, num_kv_blocks=128,
+             max_num_tokens=16) as llm:  # chunked prefill for the longer prompts
+        moe = llm.engine.model.layers[1].mlp
+        assert moe.gate.weight.dtype == moe.score_bias.dtype == torch.float32
+        assert moe.gate_up.dtype == llm.engine.kv_cache.tensor.dtype == torch.bfloat16
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    exact = 0
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == MAX_TOKENS
+        tokens, logits = hf_greedy_logits(ref, prompt, 1)
+        exact += assert_greedy_matches(ref, prompt, out.token_ids[:1], tokens, logits, tol=0.02)
+    assert exact >= len(prompts) - 1

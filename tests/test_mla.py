@@ -44,6 +44,7 @@ def expected_v3(v3):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+@torch.no_grad()
 def test_absorbed_decode_equals_expanded_attention(tiny_moe_models, name):
     """On identical inputs (float64, random latents in a paged cache, contexts of several
     lengths), the absorbed form equals attention over the expanded per-head K and V."""
@@ -67,6 +68,31 @@ def test_absorbed_decode_equals_expanded_attention(tiny_moe_models, name):
     last = table[-1, 3]
     cache[last, 3] += 1.0
     assert not torch.allclose(attn.absorbed(q_nope, q_rot, cache, table, ctxs)[-1], absorbed[-1])
+
+
+@torch.no_grad()
+def test_absorbed_decode_in_bfloat16_is_as_close_as_expanded(tiny_moe_models):
+    """In bfloat16 both forms round differently; against the float64 answer the absorbed
+    one is as close as the expanded one (which is what transformers computes)."""
+    torch.manual_seed(1)
+    cfg = ModelConfig.from_hf(hf_config(tiny_moe_models["deepseek_v3"]))
+    exact = MLAttention(cfg, 0, Shard()).double()
+    for p in exact.parameters():
+        torch.nn.init.normal_(p, std=0.15)
+    half = MLAttention(cfg, 0, Shard()).bfloat16()
+    half.load_state_dict({k: v.bfloat16() for k, v in exact.state_dict().items()})
+    cache = torch.randn(16, 4, 1, cfg.kv_lora_rank + cfg.head_dim, dtype=torch.float64)
+    ctxs = [5, 13, 16]
+    table = torch.stack([torch.randperm(16)[:4] for _ in ctxs])
+    q_nope = torch.randn(len(ctxs), exact.num_heads, cfg.qk_nope_head_dim, dtype=torch.float64)
+    q_rot = torch.randn(len(ctxs), exact.num_heads, cfg.head_dim, dtype=torch.float64)
+    truth = exact.absorbed(q_nope, q_rot, cache, table, ctxs)
+    c, qn, qr = cache.bfloat16(), q_nope.bfloat16(), q_rot.bfloat16()
+    absorbed = half.absorbed(qn, qr, c, table, ctxs).double()
+    expanded = torch.cat([half.expanded(qn[b:b + 1], qr[b:b + 1], c, table[b, :math.ceil(n / 4)], n)
+                          for b, n in enumerate(ctxs)]).double()
+    err = [float((x - truth).norm() / truth.norm()) for x in (absorbed, expanded)]
+    assert err[0] < 0.01 and err[0] < 1.5 * err[1], err
 
 
 def test_yarn_tables_match_transformers(v3):
