@@ -315,3 +315,28 @@ def test_bench_pool_io_and_ttft_on_a_redis_pool(redis_url):
     assert result["pool"] == "redis" and result["tokens_loaded"] == 48
     assert "hits from redis" in r.stdout
     assert client.dbsize() == 0
+
+
+def test_bench_adp_against_tp_on_latent_attention(tiny_moe_models):
+    """`shoal bench adp --against tp`: with MLA every TP rank keeps the whole latent, so dp 2
+    holds twice the tokens of tp 2 in the same KV memory; both give the same tokens."""
+    r = shoal("bench", "adp", "--model", str(tiny_moe_models["deepseek_v3"]), "--against", "tp",
+              "--size", "2", "--kv-cache-gb", "0.001", "--num-prompts", "4", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    tp, dp = result["runs"]
+    assert (tp["fleet"], dp["fleet"]) == ("tp=2", "dp=2") and result["identical_outputs"]
+    # 0.001 GiB / (3 layers x 16 tokens x 40 x 4 bytes) = 139 blocks a rank
+    assert tp["kv_capacity_tokens"] == 139 * 16 and dp["kv_capacity_tokens"] == 2 * 139 * 16
+    assert result["kv_capacity_dp_over_base"] == 2.0 and tp["tokens_per_s"] > 0
+
+
+def test_bench_adp_against_one_rank(tiny_models):
+    r = shoal("bench", "adp", "--model", str(tiny_models["gqa_tied"]), "--num-prompts", "4",
+              "--max-tokens", "6", "--kv-cache-gb", "0.01")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    one, two = result["runs"]
+    assert (one["fleet"], two["fleet"]) == ("dp=1", "dp=2") and result["identical_outputs"]
+    assert two["control_collectives_per_step"] == 1.0  # one small all-gather a step
+    assert result["kv_capacity_dp_over_base"] == 2.0  # two owners, two caches

@@ -11,7 +11,8 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
     def model_bench(name: str, help_text: str, **ints: int) -> None:
         p = bsub.add_parser(name, help=help_text)
         p.add_argument("--model", default="smollm2",
-                       help="preset, path, or random:<shape> (smollm2-135m, llama-1b, llama-8b)")
+                       help="preset, path, or random:<shape>[@<layers>] (smollm2-135m, llama-1b, "
+                       "llama-8b, qwen3-30b-a3b, mixtral-8x7b, deepseek-v2-lite)")
         p.add_argument("--device", default="cpu")
         for flag, default in ints.items():
             p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
@@ -34,8 +35,13 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                     help="where the hit comes from: files (page cache; default) or the host "
                     "tier (the engine computed and saved the prompt just before, under a "
                     "cache salt of its own)")
-    model_bench("adp", "control vs forward time per step, dp=2 vs dp=1 throughput",
-                num_prompts=16, max_tokens=64)
+    ad = model_bench("adp", "dp N against dp 1 (control vs forward time per step, "
+                     "throughput) or against tp N (KV capacity and decode throughput in the "
+                     "same KV memory)", num_prompts=16, max_tokens=64, size=2)
+    ad.add_argument("--against", choices=["dp1", "tp"], default="dp1",
+                    help="the baseline: one rank (dp1; default), or tp N with the same KV "
+                    "memory per rank (tp)")
+    ad.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV memory per rank")
     st = model_bench("structured", "decode tokens/s with every request under a grammar vs "
                      "free, in the same run", num_prompts=16, max_tokens=64, rounds=3)
     st.add_argument("--grammar", choices=["regex", "json"], default="regex",
@@ -84,7 +90,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_pool_io(args.num_blocks, threads, args.rounds, args.device)
     if args.bench == "adp":
         from shoal.bench.adp import run_adp
-        return run_adp(args.model, args.num_prompts, args.max_tokens, args.device)
+        return run_adp(args.model, args.num_prompts, args.max_tokens, args.device, args.size,
+                       args.against, args.kv_cache_gb)
     if args.bench == "structured":
         from shoal.bench.structured import run_structured
         return run_structured(args.model, args.num_prompts, args.max_tokens, args.device,
