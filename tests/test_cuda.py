@@ -57,6 +57,25 @@ def test_tiny_llama_on_cuda_matches_transformers(tiny_models, overlap):
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_moe_and_latent_attention_on_cuda_match_transformers(tiny_moe_models, name, tmp_path):
+    """float32 on the GPU: routed and shared experts; MLA's absorbed decode in the Triton
+    kernel (shoal/model/paged_mla.py) and its expanded prefill; then from the pool."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_moe_models[name]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("cuda")
+    prompts = random_prompts(512, [1, 5, 17, 40])
+    expected = [hf_greedy(ref, p, 16) for p in prompts]
+    for run in ("save", "load"):
+        with LLM(str(path), device="cuda", dtype="float32", block_size=4, num_kv_blocks=128,
+                 max_num_tokens=16, kv_pool=str(tmp_path)) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+            llm.check_integrity()
+        assert [o.token_ids for o in outs] == expected, run
+        assert (sum(o.num_connector_tokens for o in outs) > 0) == (run == "load")
+
+
 def test_smollm2_on_cuda_matches_transformers(smollm2_path, smollm2_hf):
     ref = smollm2_hf.to("cuda")
     try:

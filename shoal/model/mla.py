@@ -12,7 +12,9 @@ the head's rows of `kv_b_proj`. Two ways to attend, equal in exact arithmetic:
   themselves; W_uv then maps the result out. The latent is never expanded per head.
 
 Under TP the heads (q, kv_b and o rows/columns) are split and the latent is whole on every
-rank; under ADP all of it is whole. No paged kernel yet: the torch backend's gathers run it.
+rank; under ADP all of it is whole. On a CUDA device the absorbed decode runs the Triton
+kernel of shoal/model/paged_mla.py; prefill chunks and the CPU use the torch backend's
+gathers. The model runs eagerly (no CUDA graphs yet).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from shoal.model.attention_backend import causal_attention, decode_attention, gather_blocks
 from shoal.model.config import ModelConfig
 from shoal.model.layers import RMSNorm
+from shoal.model.paged_mla import HAS_TRITON, mla_decode
 from shoal.model.rope import apply_rope, softmax_scale
 from shoal.util import to_device
 
@@ -98,8 +101,13 @@ class MLAttention(nn.Module):
         its blocks) -> [B, H, v], without expanding a latent."""
         w = self._kv_b()
         q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w[:, :self.nope])
-        out_latent = decode_attention(torch.cat((q_latent, q_rot), dim=-1), table, ctxs,
-                                      cache, cache[..., :self.latent], self.scale)  # [B, H, L]
+        q = torch.cat((q_latent, q_rot), dim=-1)  # [B, H, L + R]
+        if q.is_cuda and HAS_TRITON:  # the kernel reads the latents through the table
+            out_latent = mla_decode(q, cache, table, to_device(ctxs, q.device, torch.int32),
+                                    self.latent, self.scale)
+        else:
+            out_latent = decode_attention(q, table, ctxs, cache, cache[..., :self.latent],
+                                          self.scale)  # [B, H, L]
         return torch.einsum("bhl,hvl->bhv", out_latent, w[:, self.nope:])
 
     def expanded(self, q_nope, q_rot, cache, block_ids, ctx: int) -> torch.Tensor:

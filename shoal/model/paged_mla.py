@@ -1,0 +1,92 @@
+"""The absorbed MLA decode in Triton: reads the latent cache through the block table.
+
+After absorption (shoal/model/mla.py) a decode row is H query heads over ONE shared head
+whose key is a cache entry [latent L | rotary key R] and whose value is its latent part:
+
+    score(h, j) = (q_latent[h] . latent[j] + q_rot[h] . k_rot[j]) * scale
+    out[h]      = sum_j softmax_j(score(h, .)) latent[j]                   [L]
+
+grid (requests, head tiles): a program takes HT heads of one request, so each latent tile
+is read once for all of them (all heads at once for V2-Lite's 16; eight reads for V3's
+128). The running (max, sum, accumulator) softmax is kept in float32, as in
+shoal/model/paged_attention.py, whose decode kernel this follows; `MLAttention.absorbed`
+(gathers + SDPA) is its reference in tests (on CPU through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.model.paged_attention import HAS_TRITON, _next_pow2, _precision
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["stride_table"])
+    def _mla_decode_kernel(q_ptr, c_ptr, o_ptr, table_ptr, lens_ptr, stride_qb, stride_qh,
+                           stride_cb, stride_ct, stride_ob, stride_oh, stride_table, scale,
+                           H: tl.constexpr, HT: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                           RP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                           PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        heads = tl.program_id(1) * HT + tl.arange(0, HT)
+        ctx = tl.load(lens_ptr + b)
+        lat = tl.arange(0, L)
+        rot = tl.arange(0, RP)
+        h_mask = heads < H
+        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q_lat = tl.load(q_row + lat[None, :], mask=h_mask[:, None], other=0.0)  # [HT, L]
+        q_rot = tl.load(q_row + L + rot[None, :], mask=h_mask[:, None] & (rot[None, :] < R),
+                        other=0.0)  # [HT, RP]
+        m = tl.full([HT], float("-inf"), tl.float32)
+        total = tl.zeros([HT], tl.float32)
+        acc = tl.zeros([HT, L], tl.float32)
+        t = tl.arange(0, TILE)
+        start = 0
+        while start < ctx:
+            pos = start + t
+            valid = pos < ctx
+            # int64: a block's offset (block id x all layers' bytes of a block) passes 2**31
+            block = tl.load(table_ptr + b * stride_table + pos // BLOCK_SIZE, mask=valid,
+                            other=0).to(tl.int64)
+            entry = c_ptr + block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_ct
+            latent = tl.load(entry + lat[None, :], mask=valid[:, None], other=0.0)  # [TILE, L]
+            k_rot = tl.load(entry + L + rot[None, :], mask=valid[:, None] & (rot[None, :] < R),
+                            other=0.0)  # [TILE, RP]
+            s = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION).to(tl.float32)
+            s += tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION).to(tl.float32)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))  # [HT, TILE]
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent,
+                                                input_precision=PRECISION).to(tl.float32)
+            m = m_new
+            start += TILE
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row (ctx 0): 0
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + lat[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+               context_lens: torch.Tensor, latent_dim: int, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, L + R] (the absorbed query: latent part, then rotary); cache [num_blocks,
+    block_size, 1, L + R]; block_table [B, max_blocks]; context_lens [B] (0: a padding row,
+    output 0) -> out [B, H, L]. Reads every tensor in place (CUDA-graph safe). L must be a
+    power of two (512 in every DeepSeek)."""
+    batch, num_heads, width = q.shape
+    _, block_size, _, _ = cache.shape
+    assert latent_dim == _next_pow2(latent_dim), f"latent width {latent_dim} is not a power of 2"
+    out = q.new_empty(batch, num_heads, latent_dim) if out is None else out
+    head_tile = min(16, max(_next_pow2(num_heads), 16))
+    grid = (batch, triton.cdiv(num_heads, head_tile))
+    _mla_decode_kernel[grid](
+        q, cache, out, block_table, context_lens, q.stride(0), q.stride(1), cache.stride(0),
+        cache.stride(1), out.stride(0), out.stride(1), block_table.stride(0), scale,
+        H=num_heads, HT=head_tile, L=latent_dim, R=width - latent_dim,
+        RP=max(16, _next_pow2(width - latent_dim)), BLOCK_SIZE=block_size,
+        TILE=max(block_size, 16), PRECISION=_precision(q))
+    return out
