@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.model.config import DEEPSEEK, ModelConfig
+from shoal.model.fused_moe import HAS_TRITON, fused_experts
 from shoal.model.layers import MLP
 
 # family -> (the HF module holding the router and experts, expert weight names: gate, up, down)
@@ -84,6 +85,16 @@ class SparseMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share of the layer's output for the rows of `x`."""
         weights, chosen = self.route(x)
+        if x.is_cuda and HAS_TRITON:  # two grouped-GEMM launches
+            out = fused_experts(x, self.gate_up, self.down, weights, chosen, self.first)
+        else:
+            out = self.experts_one_by_one(x, weights, chosen)
+        if self.shared is not None:
+            out = out + self.shared.partial(x)
+        return out
+
+    def experts_one_by_one(self, x, weights, chosen) -> torch.Tensor:
+        """The routed experts' share, an expert at a time (the fused kernel's reference)."""
         out = torch.zeros_like(x)
         local = chosen - self.first  # [T, k]: an index of this rank's experts, or outside
         for e in range(self.num_local):
@@ -93,8 +104,6 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
             h = F.linear(F.silu(gate) * up, self.down[e]) * weights[rows, slots, None]
             out.index_add_(0, rows, h.to(out.dtype))
-        if self.shared is not None:
-            out = out + self.shared.partial(x)
         return out
 
     def load(self, take, skip, hf_prefix: str) -> None:
