@@ -12,19 +12,27 @@ from shoal.connectors.store.scheduler import BlockTransfer
 
 class LoadQueue:
     """One request's load as units (lists of blocks), taken by I/O tasks in order (last
-    blocks first), and what has become of each of its blocks. Thread-safe."""
+    blocks first), and what has become of each of its blocks. Thread-safe.
 
-    QUEUED, RUNNING, LANDED = 1, 2, 3
+    With `per_block` (a worker that reads each block straight into its place: no copy it
+    cannot stop), a task claims each block before reading it and lands it right after, so
+    the engine sees blocks land one by one, and a drop also takes the blocks of running
+    units that no read has claimed yet (it waits for the reads under way: one block each).
+    Without it, a running unit's blocks are the worker's until the whole unit is done."""
 
-    def __init__(self, units: list[list[BlockTransfer]]):
+    QUEUED, RUNNING, READING, LANDED = 1, 2, 3, 4
+
+    def __init__(self, units: list[list[BlockTransfer]], per_block: bool = False):
         self._units = deque(units)
         self.num_units = len(units)
+        self.per_block = per_block
         indices = [t.block_index for unit in units for t in unit]
         self.first, self.end = min(indices), max(indices) + 1
         self._state = [0] * (self.end - self.first)  # per block from `first`: 0 = not loaded
         for i in indices:
             self._state[i - self.first] = self.QUEUED
         self._lock = threading.Lock()
+        self._read_ended = threading.Condition(self._lock)
         self.is_aborted = False  # the units running skip the blocks they have not read
 
     def abort(self) -> None:
@@ -39,12 +47,39 @@ class LoadQueue:
             self._mark(unit, self.RUNNING)
             return unit
 
-    def done(self, unit: list[BlockTransfer]) -> None:
+    def wants(self, t: BlockTransfer) -> bool:
+        """Whether block `t` of a running unit is still to be read (not dropped)."""
         with self._lock:
-            self._mark(unit, self.LANDED)
+            return self._state[t.block_index - self.first] == self.RUNNING
+
+    def claim(self, t: BlockTransfer) -> bool:
+        """Per block: take block `t` for a read into its place (False: it was dropped). Until
+        `land(t)`, a drop below it waits for it."""
+        with self._lock:
+            i = t.block_index - self.first
+            if self._state[i] != self.RUNNING:
+                return False
+            self._state[i] = self.READING
+            return True
+
+    def land(self, t: BlockTransfer) -> None:
+        """Per block: the read of block `t` has ended (its bytes landed, or it failed)."""
+        with self._lock:
+            self._state[t.block_index - self.first] = self.LANDED
+            self._read_ended.notify_all()
+
+    def done(self, unit: list[BlockTransfer]) -> None:
+        """The unit's copies have ended: its blocks not dropped have landed."""
+        with self._lock:
+            for t in unit:
+                i = t.block_index - self.first
+                if self._state[i] != 0:
+                    self._state[i] = self.LANDED
 
     def drop(self, num_blocks: int) -> None:
-        """Take the queued units that lie wholly below block `num_blocks` off the queue."""
+        """Take the blocks below `num_blocks` off the load: the queued units wholly below it,
+        and (per block) the unclaimed blocks of running units; returns once no read below
+        it is under way."""
         with self._lock:
             keep = deque()
             for unit in self._units:
@@ -53,6 +88,14 @@ class LoadQueue:
                 else:
                     keep.append(unit)
             self._units = keep
+            if not self.per_block:
+                return
+            below = range(max(num_blocks - self.first, 0))
+            for i in below:
+                if self._state[i] == self.RUNNING:
+                    self._state[i] = 0
+            while any(self._state[i] == self.READING for i in below):
+                self._read_ended.wait()
 
     def progress(self) -> LoadProgress:
         with self._lock:
@@ -61,7 +104,7 @@ class LoadQueue:
             while landed > 0 and state[landed - 1] == self.LANDED:
                 landed -= 1
             pending = next((i for i, s in enumerate(state)
-                            if s in (self.QUEUED, self.RUNNING)), None)
+                            if s in (self.QUEUED, self.RUNNING, self.READING)), None)
             writes_from = landed if pending is None else pending
             return LoadProgress(self.first + writes_from, self.first + landed)
 

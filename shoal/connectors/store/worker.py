@@ -134,7 +134,9 @@ class StoreWorker(KvConnectorWorker):
         for t in meta.loads:
             by_request.setdefault(t.request_id, []).append(t)
         for rid, transfers in by_request.items():
-            queue = self._queues[rid] = LoadQueue(self._load_units(transfers))
+            # reads straight into the cache can stop between blocks; a mover's copies cannot
+            queue = self._queues[rid] = LoadQueue(self._load_units(transfers),
+                                                  per_block=self._mover is None)
             if self.is_async:  # a task per thread, each taking units until none is left
                 futures = [self._io.submit(self._load_queue, queue)
                            for _ in range(min(self._num_threads, queue.num_units))]
@@ -266,10 +268,8 @@ class StoreWorker(KvConnectorWorker):
         """Load one unit; once its request is aborted, the blocks not read yet are skipped."""
         start = time.perf_counter()
         reader = self.store.read_unit([self._key(t) for t in transfers], self.spec)
-        if self._mover is None:
-            ok = sum(not queue.is_aborted
-                     and self._read_block(t, reader, j, self._block_bytes[t.block_id]) is not None
-                     for j, t in enumerate(transfers))
+        if self._mover is None:  # block by block, each landing as it is read
+            ok = sum(self._read_own_block(t, reader, j, queue) for j, t in enumerate(transfers))
         else:  # through pages: blocks not read came from the tier
             failed = []
 
@@ -294,13 +294,29 @@ class StoreWorker(KvConnectorWorker):
             self._stats["blocks_loaded"] += ok
             self._stats["load_seconds"] += time.perf_counter() - start
 
+    def _read_own_block(self, t: BlockTransfer, reader: UnitReader, i: int,
+                        queue: LoadQueue) -> bool:
+        """Read block `t` straight into its place, unless the engine dropped it (before or
+        while the read waited for its turn); True if it landed."""
+        if queue.is_aborted or not queue.wants(t):
+            return False
+        if self._throttle is not None:
+            self._throttle.wait(self.layout.block_nbytes)
+        if not queue.claim(t):  # dropped while waiting
+            return False
+        try:
+            return self._read_block(t, reader, i, self._block_bytes[t.block_id],
+                                    throttled=False) is not None
+        finally:
+            queue.land(t)
+
     def _read_block(self, t: BlockTransfer, reader: UnitReader, i: int, dest: memoryview,
-                    verify: bool = True) -> int | None:
+                    verify: bool = True, throttled: bool = True) -> int | None:
         """Read block `t` (the reader's block i) into `dest`, verified unless `verify` is
         False (then the caller verifies it); the header's checksum of the payload, or None
         (the failure recorded, a corrupt block set aside) if it is missing, unreadable or
         fails."""
-        if self._throttle is not None:
+        if throttled and self._throttle is not None:
             self._throttle.wait(self.layout.block_nbytes)
         try:
             return reader.read_into(i, dest, verify)

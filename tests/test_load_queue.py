@@ -1,0 +1,60 @@
+"""A load's queue of units: what a drop takes, per block and per unit (no timing: threads
+meet at events)."""
+
+from __future__ import annotations
+
+import threading
+
+from shoal.connectors.base import LoadProgress
+from shoal.connectors.store.load_queue import LoadQueue
+from shoal.connectors.store.scheduler import BlockTransfer
+
+
+def units(*groups):
+    """Units of block indices (each unit last block first, as the worker reads them)."""
+    return [[BlockTransfer("r", i, 100 + i, b"k%d" % i) for i in group] for group in groups]
+
+
+def test_a_drop_takes_unclaimed_blocks_of_a_running_unit():
+    q = LoadQueue(units([9, 8, 7, 6], [5, 4, 3, 2]), per_block=True)
+    back = q.pop()
+    assert q.claim(back[0]) and q.claim(back[1])  # 9 is being read, 8 too
+    q.land(back[0])
+    reading = threading.Event()
+    dropped = threading.Event()
+
+    def drop():
+        reading.set()
+        q.drop(9)  # waits for block 8's read, takes 7 and 6 and the queued unit
+        dropped.set()
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    assert reading.wait(10)
+    assert not dropped.is_set()  # it cannot return while block 8 is being read
+    q.land(back[1])  # block 8's read ends: the drop returns
+    thread.join(10)
+    assert dropped.is_set()
+    assert not q.claim(back[2]) and not q.wants(back[3])  # 7 and 6 are no longer the load's
+    assert q.pop() is None
+    q.done(back)
+    assert q.progress() == LoadProgress(writes_from=8, landed_from=8)  # 8 and 9 landed
+
+
+def test_without_per_block_a_running_unit_is_the_workers():
+    q = LoadQueue(units([9, 8, 7, 6], [5, 4, 3, 2]))
+    back = q.pop()
+    q.drop(10)  # only the queued unit goes
+    assert q.wants(back[2]) and q.pop() is None
+    assert q.progress() == LoadProgress(writes_from=6, landed_from=10)
+    q.done(back)
+    assert q.progress() == LoadProgress(writes_from=6, landed_from=6)
+
+
+def test_blocks_land_one_by_one():
+    q = LoadQueue(units([9, 8, 7, 6]), per_block=True)
+    back = q.pop()
+    for t in back[:2]:
+        assert q.claim(t)
+        q.land(t)
+    assert q.progress() == LoadProgress(writes_from=6, landed_from=8)
