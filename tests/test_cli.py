@@ -297,6 +297,22 @@ def test_bench_ttft_from_the_tier_with_capped_reads():
     assert hit["host_tokens"] == 48  # the engine expected all of it from host memory
 
 
+def test_bench_ttft_first_hit_on_a_dead_slow_store():
+    """`--skip-load-only` with reads capped far below computing (a block in 70 s): the first
+    engine knows no load rate, waits briefly for a first block that does not come and
+    computes it all; the next one expects at most the rate the first saw, and once its
+    block is overdue computes it all too. Neither waits for the store (the test would
+    take minutes)."""
+    r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
+              "--rounds", "2", "--pool-read-gbps", "0.00001", "--skip-load-only")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    first, second = result["hits"]
+    assert result["load_only"] == "skipped" and "no load rate known yet" in r.stdout
+    assert first == {"decision": "load", "front_tokens": 48, "loaded_tokens": 0}
+    assert second["front_tokens"] == 48 and second["loaded_tokens"] == 0
+
+
 def test_bench_pool_io_and_ttft_on_a_redis_pool(redis_url):
     """`--pool redis://...`: pool-io against the client's raw SET / GET of the same values,
     ttft with the hit from Redis; each bench leaves no names of its own behind."""

@@ -4,6 +4,7 @@ meet at events)."""
 from __future__ import annotations
 
 import threading
+import time
 
 from shoal.connectors.base import LoadProgress
 from shoal.connectors.store.load_queue import LoadQueue
@@ -58,3 +59,15 @@ def test_blocks_land_one_by_one():
         assert q.claim(t)
         q.land(t)
     assert q.progress() == LoadProgress(writes_from=6, landed_from=8)
+
+
+def test_a_read_waiting_for_its_turn_gives_up_when_dropped():
+    q = LoadQueue(units([9, 8]), per_block=True)
+    back = q.pop()
+    given_up = []
+    thread = threading.Thread(target=lambda: given_up.append(q.wait_turn(back[1], time.monotonic() + 600)))
+    thread.start()
+    q.drop(9)  # block 8's turn would never come: the drop ends the wait
+    thread.join(10)
+    assert given_up == [False]
+    assert q.wait_turn(back[0], 0.0)  # block 9's turn has come (its time is past)

@@ -75,9 +75,29 @@ def test_the_first_landed_unit_is_not_taken_for_the_rate():
 
 
 def test_no_word_from_a_first_load_is_waited_for_only_so_long():
-    p = planner(prefill=1000.0)  # computing the 1024 tokens takes 1.024 s
-    assert p.front_step(0, 0, 64, 64, started=0.0, now=0.3).num_tokens == 0
-    step = p.front_step(0, 0, 64, 64, started=0.0, now=0.6)
+    p = planner(prefill=1000.0)  # computing the 1024 tokens takes 1.024 s: 5% of it, 51 ms
+    assert p.front_step(0, 0, 64, 64, started=0.0, now=0.05).num_tokens == 0
+    step = p.front_step(0, 0, 64, 64, started=0.0, now=0.052)
+    assert step.num_tokens == 1024 and step.drop_to == 64
+
+
+def test_a_load_that_landed_nothing_bounds_an_unknown_rate():
+    p = planner(prefill=1000.0)
+    p.observe_load(0, 0.5, None)  # not a block in 0.5 s: at most 32 tokens/s
+    assert p.load_tps.value == BS / 0.5
+    p.observe_load(0, 0.1, None)  # a looser bound changes nothing
+    assert p.load_tps.value == BS / 0.5
+    p.observe_load(0, 2.0, None)  # a tighter one lowers it
+    assert p.load_tps.value == BS / 2.0
+    assert p.admit(0, 64).load_from == 64  # the next hit computes it all
+
+
+def test_a_load_overdue_is_taken_for_slow():
+    """Earlier loads said 1000 tokens/s, 10 ms to the first block; this one has landed
+    nothing after 3 s: at most a block in 3 s, so the front computes the rest."""
+    p = planner(prefill=1000.0, load=1000.0, latency=0.01)
+    assert p.front_step(0, 0, 64, 64, started=0.0, now=0.005).num_tokens < 1024
+    step = p.front_step(0, 0, 64, 64, started=0.0, now=3.0)
     assert step.num_tokens == 1024 and step.drop_to == 64
 
 

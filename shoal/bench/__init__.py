@@ -31,6 +31,9 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                     "max_read_gbps: a slow or shared store)")
     tt.add_argument("--pool", metavar="URL", help="run on this redis:// pool (under a key "
                     "prefix of its own, deleted afterwards; default: a temporary directory)")
+    tt.add_argument("--skip-load-only", action="store_true",
+                    help="no load-only engine (with a dead-slow store it would take ages): the "
+                    "first round's engine meets the store with no load rate known")
     tt.add_argument("--source", choices=["files", "tier"], default="files",
                     help="where the hit comes from: files (page cache; default) or the host "
                     "tier (the engine computed and saved the prompt just before, under a "
@@ -78,7 +81,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.dp > 1:
             return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device)
         return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp,
-                        args.pool_read_gbps, args.source, args.pool)
+                        args.pool_read_gbps, args.source, args.pool, args.skip_load_only)
     if args.bench == "pool-io":
         from shoal.connectors.store.base import default_io_threads
         threads = args.threads or default_io_threads(args.device.startswith("cuda"))

@@ -55,6 +55,10 @@ ONE_SOURCE_SHARE = 0.9
 # a load whose first block was seen landing this late (a share of its time) landed all at
 # once: its time is all rate, no first-block latency
 ALL_AT_ONCE = 0.9
+# with no rate known for a load, the front waits for its first block at most this share of
+# the time computing the hit takes, then computes it (a first hit on a store that is fast
+# but slow to start loses its gain; one on a dead-slow store costs this much)
+UNKNOWN_LOAD_WAIT = 0.05
 RATE_NAMES = ("prefill_tps", "load_tps", "load_latency_s", "host_load_tps", "host_load_latency_s")
 
 
@@ -117,8 +121,14 @@ class LoadPlanner:
                      host_share: float = 0.0) -> None:
         """A finished load: `num_tokens` landed in `seconds`, the first of them after
         `first_landed_s` (None: not seen before the load finished, as if all at once);
-        `host_share` of them were expected from host memory."""
+        `host_share` of them were expected from host memory. A load that landed nothing
+        (the front computed it all first) says only that the source delivered less than a
+        block in `seconds`: its rate is at most that (else no engine would ever learn the
+        rate of a store too slow to land a block before the front is done)."""
         if num_tokens <= 0:
+            rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
+            if seconds > 0 and (rate.value is None or rate.value > self.block_size / seconds):
+                rate.value = self.block_size / seconds
             return
         latency = None if first_landed_s is None else min(first_landed_s, seconds)
         streaming = seconds if latency is None else max(seconds - latency, seconds / 2)
@@ -167,8 +177,8 @@ class LoadPlanner:
         rate = self._load_rate((end - landed_from) * bs, None if started is None else now - started,
                                host_share)
         if rate is None:  # nothing known of the load yet: the front waits for a first word,
-            # but no longer than half the time it takes to compute it all (a dead-slow store)
-            if started is not None and 2 * (now - started) >= remaining / C:
+            # but not long (a dead-slow store must not make the hit much slower than computing)
+            if started is not None and now - started >= UNKNOWN_LOAD_WAIT * remaining / C:
                 return FrontStep(min(remaining, self.max_num_tokens), landed_from)
             return FrontStep(0, 0)
         L, latency = rate
@@ -208,9 +218,11 @@ class LoadPlanner:
                    host_share: float = 0.0) -> tuple[float, float] | None:
         """(tokens/s, seconds before the first block lands) of the load from here: its own
         rate once it has landed something, before that the rates of earlier loads (None:
-        there were none). The own rate counts time from when a first block was due (the
-        measured first-block latency): right after the first block lands, landed / waited
-        would mostly measure that latency and take a fast store for a slow one."""
+        there were none), but at most a block in the time it is overdue (a store slower
+        than the last time must not keep the front waiting). The own rate counts time from
+        when a first block was due (the measured first-block latency): right after the
+        first block lands, landed / waited would mostly measure that latency and take a
+        fast store for a slow one."""
         expected = self.expected_rate(host_share)
         F = expected[1] if expected is not None else self.load_latency_s.value
         if waited is not None and waited > 0 and num_landed > 0:
@@ -218,7 +230,11 @@ class LoadPlanner:
             return num_landed / streaming, 0.0
         if expected is None:
             return None
-        return expected[0], max(expected[1] - (waited or 0.0), 0.0)
+        L, F = expected
+        overdue = (waited or 0.0) - F
+        if overdue > 0:  # no block yet, later than the latency: not faster than one so far
+            return min(L, self.block_size / overdue), 0.0
+        return L, -overdue
 
     # -- the last run's rates ------------------------------------------------------------
 

@@ -32,7 +32,7 @@ class LoadQueue:
         for i in indices:
             self._state[i - self.first] = self.QUEUED
         self._lock = threading.Lock()
-        self._read_ended = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)  # a read ended, or a drop
         self.is_aborted = False  # the units running skip the blocks they have not read
 
     def abort(self) -> None:
@@ -52,6 +52,18 @@ class LoadQueue:
         with self._lock:
             return self._state[t.block_index - self.first] == self.RUNNING
 
+    def wait_turn(self, t: BlockTransfer, until: float) -> bool:
+        """Wait until `until` (time.monotonic) for block `t`'s turn to be read; False as soon
+        as it is dropped (a read paced by a slow store gives up its wait at once)."""
+        with self._lock:
+            i = t.block_index - self.first
+            while self._state[i] == self.RUNNING:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return True
+                self._changed.wait(left)
+            return False
+
     def claim(self, t: BlockTransfer) -> bool:
         """Per block: take block `t` for a read into its place (False: it was dropped). Until
         `land(t)`, a drop below it waits for it."""
@@ -66,7 +78,7 @@ class LoadQueue:
         """Per block: the read of block `t` has ended (its bytes landed, or it failed)."""
         with self._lock:
             self._state[t.block_index - self.first] = self.LANDED
-            self._read_ended.notify_all()
+            self._changed.notify_all()
 
     def done(self, unit: list[BlockTransfer]) -> None:
         """The unit's copies have ended: its blocks not dropped have landed."""
@@ -94,8 +106,9 @@ class LoadQueue:
             for i in below:
                 if self._state[i] == self.RUNNING:
                     self._state[i] = 0
+            self._changed.notify_all()  # reads waiting for their turn on dropped blocks
             while any(self._state[i] == self.READING for i in below):
-                self._read_ended.wait()
+                self._changed.wait()
 
     def progress(self) -> LoadProgress:
         with self._lock:
@@ -114,17 +127,22 @@ class LoadQueue:
 
 
 class Throttle:
-    """Paces reads to a rate shared by every thread: each read waits for its turn."""
+    """Paces reads to a rate shared by every thread, as a store that slow would deliver
+    them: each read takes the next slot of nbytes / rate, and its bytes arrive when the
+    slot ends."""
 
     def __init__(self, gbps: float):
         self._bytes_per_s = gbps * 1e9
         self._next = time.monotonic()
         self._lock = threading.Lock()
 
-    def wait(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int) -> float:
+        """When (time.monotonic) the bytes of a read of `nbytes` arrive."""
         with self._lock:
-            now = time.monotonic()
-            start = max(now, self._next)
-            self._next = start + nbytes / self._bytes_per_s
-        if start > now:
-            time.sleep(start - now)
+            self._next = max(time.monotonic(), self._next) + nbytes / self._bytes_per_s
+            return self._next
+
+    def wait(self, nbytes: int) -> None:
+        delay = self.reserve(nbytes) - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)

@@ -300,9 +300,10 @@ class StoreWorker(KvConnectorWorker):
         while the read waited for its turn); True if it landed."""
         if queue.is_aborted or not queue.wants(t):
             return False
-        if self._throttle is not None:
-            self._throttle.wait(self.layout.block_nbytes)
-        if not queue.claim(t):  # dropped while waiting
+        if self._throttle is not None and not queue.wait_turn(
+                t, self._throttle.reserve(self.layout.block_nbytes)):
+            return False  # dropped while it waited for its turn
+        if not queue.claim(t):  # dropped just now
             return False
         try:
             return self._read_block(t, reader, i, self._block_bytes[t.block_id],
