@@ -33,20 +33,24 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _tile(row_ids_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """This program's rows, their assignments (-1: none), which are real, its output
+        columns and the offsets of a step along the reduced dimension."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        assignment = tl.load(row_ids_ptr + rows)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows, assignment, assignment >= 0, n, tl.arange(0, BLOCK_K)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, row_ids_ptr, tile_expert_ptr, stride_x,
                         stride_we, stride_wn, stride_inter, NUM_EXPERTS: tl.constexpr,
                         TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr):
-        tile = tl.program_id(0)
-        e = tl.load(tile_expert_ptr + tile)
+        e = tl.load(tile_expert_ptr + tl.program_id(0))
         if e < NUM_EXPERTS:
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            assignment = tl.load(row_ids_ptr + rows)
-            valid = assignment >= 0
+            rows, assignment, valid, n, kk = _tile(row_ids_ptr, BLOCK_M, BLOCK_N, BLOCK_K)
             token = tl.where(valid, assignment // TOP_K, 0).to(tl.int64)
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            kk = tl.arange(0, BLOCK_K)
             w = w_ptr + e.to(tl.int64) * stride_we
             gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -71,14 +75,9 @@ if HAS_TRITON:
                      NUM_EXPERTS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PRECISION: tl.constexpr):
-        tile = tl.program_id(0)
-        e = tl.load(tile_expert_ptr + tile)
+        e = tl.load(tile_expert_ptr + tl.program_id(0))
         if e < NUM_EXPERTS:
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            assignment = tl.load(row_ids_ptr + rows)
-            valid = assignment >= 0
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            kk = tl.arange(0, BLOCK_K)
+            rows, assignment, valid, n, kk = _tile(row_ids_ptr, BLOCK_M, BLOCK_N, BLOCK_K)
             w = w_ptr + e.to(tl.int64) * stride_we
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
