@@ -101,7 +101,9 @@ def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int):
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     num = local.numel()
     order = torch.argsort(local, stable=True)  # assignments by expert, others' last
-    counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
+    # (not bincount: its size depends on the values, which a CUDA graph cannot wait for)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=chosen.device).scatter_add_(
+        0, local, torch.ones_like(local))[:num_experts]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = torch.cumsum(padded, 0)
     start_in_order = torch.cumsum(counts, 0) - counts  # an expert's first place in `order`
