@@ -55,7 +55,8 @@ def pin_rates(llm: LLM, prefill: float, load: float, latency: float = 0.0) -> No
     p.prefill_overhead_s = 0.0
     p.observe_prefill = p.observe_load = lambda *a, **k: None
     # nor the load in flight: its own rate (landed / waited) is not taken for L either
-    p._load_rate = lambda num_landed, waited, host_share=0.0: (load, max(latency - (waited or 0.0), 0.0))
+    p._load_rate = lambda num_landed, waited, host_share=0.0, num_pending=0: (
+        load, max(latency - (waited or 0.0), 0.0))
 
 
 def block_key(llm: LLM, prompt: list[int], i: int) -> bytes:
@@ -64,12 +65,12 @@ def block_key(llm: LLM, prompt: list[int], i: int) -> bytes:
     return keys[i]
 
 
-def split_run(model, cfg, prompt, **kw):
+def split_run(model, cfg, prompt, rates=(400.0, 200.0), **kw):
     """One request on a fresh engine whose rates are pinned so that its hit is split
     (C = 400 tokens/s, L = 200: they meet after 40 / 600 s, the front's share 24 tokens):
     its output and the engine's stats, every block accounted for."""
     with LLM(model, kv_connector=cfg, **KW, **kw) as llm:
-        pin_rates(llm, prefill=400.0, load=200.0)
+        pin_rates(llm, prefill=rates[0], load=rates[1])
         out = llm.generate([prompt], SP)[0]
         llm.check_integrity()
         return out, llm.stats()
@@ -145,13 +146,15 @@ def test_units_landing_out_of_order_are_all_used(tiny_model, prompt, baseline, p
 
 
 def test_a_corrupt_block_in_the_loaded_half_is_recomputed(tiny_model, prompt, baseline, pool):
+    """C = 200, L = 400: however the load progresses, each step's split leaves the front
+    short of blocks 8 and 9, which the load reads (the front never drops them)."""
     with LLM(tiny_model, kv_pool=str(pool), **KW) as probe:
         bad = block_key(probe, prompt, 9)  # the last: the first block the load reads
     path = pf.block_path(pool, bad)
     data = bytearray(path.read_bytes())
     data[pf.HEADER_SIZE + 5] ^= 0x40
     path.write_bytes(bytes(data))
-    out, s = split_run(tiny_model, paced(pool), prompt)
+    out, s = split_run(tiny_model, paced(pool), prompt, rates=(200.0, 400.0))
     assert out.token_ids == baseline
     hit = out.pool_hit
     assert s["corrupt_blocks"] == 1 and s["load_failures_recomputed"] == 1
@@ -174,7 +177,7 @@ def test_policy_fail_ends_the_request_with_an_error(tiny_model, prompt, pool, mo
         raise pf.BlockMissing(key.hex())  # every file vanished after the lookup
     monkeypatch.setattr(pf, "read_block_into", missing_back)
     with LLM(tiny_model, kv_connector=paced(pool, load_failure_policy="fail"), **KW) as llm:
-        pin_rates(llm, prefill=400.0, load=200.0)
+        pin_rates(llm, prefill=200.0, load=400.0)  # the front leaves blocks 8, 9 to the load
         out = llm.generate([prompt], SP)[0]
         llm.check_integrity()
         monkeypatch.setattr(pf, "read_block_into", real)

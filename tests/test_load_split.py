@@ -94,10 +94,12 @@ def test_a_load_that_landed_nothing_bounds_an_unknown_rate():
 
 def test_a_load_overdue_is_taken_for_slow():
     """Earlier loads said 1000 tokens/s, 10 ms to the first block; this one has landed
-    nothing after 3 s: at most a block in 3 s, so the front computes the rest."""
+    nothing of its 1024 tokens after 1 s (it may land all at once: that is all the silence
+    says), later after 100 s: at most 10 tokens/s, so the front computes the rest."""
     p = planner(prefill=1000.0, load=1000.0, latency=0.01)
     assert p.front_step(0, 0, 64, 64, started=0.0, now=0.005).num_tokens < 1024
-    step = p.front_step(0, 0, 64, 64, started=0.0, now=3.0)
+    assert p.front_step(0, 0, 64, 64, started=0.0, now=1.0).num_tokens < 1024
+    step = p.front_step(0, 0, 64, 64, started=0.0, now=100.0)
     assert step.num_tokens == 1024 and step.drop_to == 64
 
 

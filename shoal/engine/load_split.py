@@ -175,7 +175,7 @@ class LoadPlanner:
         if C is None or remaining <= 0:  # the prefill rate is unknown: the load goes on
             return FrontStep(0, 0)
         rate = self._load_rate((end - landed_from) * bs, None if started is None else now - started,
-                               host_share)
+                               host_share, remaining)
         if rate is None:  # nothing known of the load yet: the front waits for a first word,
             # but not long (a dead-slow store must not make the hit much slower than computing)
             if started is not None and now - started >= UNKNOWN_LOAD_WAIT * remaining / C:
@@ -214,13 +214,14 @@ class LoadPlanner:
         return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
                 "load_tokens_per_s": expected[0] if expected else 0.0}
 
-    def _load_rate(self, num_landed: int, waited: float | None,
-                   host_share: float = 0.0) -> tuple[float, float] | None:
+    def _load_rate(self, num_landed: int, waited: float | None, host_share: float = 0.0,
+                   num_pending: int = 0) -> tuple[float, float] | None:
         """(tokens/s, seconds before the first block lands) of the load from here: its own
         rate once it has landed something, before that the rates of earlier loads (None:
-        there were none), but at most a block in the time it is overdue (a store slower
-        than the last time must not keep the front waiting). The own rate counts time from
-        when a first block was due (the measured first-block latency): right after the
+        there were none), but no faster than all its `num_pending` tokens in the time it is
+        overdue (a store slower than the last time must not keep the front waiting; a load
+        may land all at once, so that is all the silence says). The own rate counts time
+        from when a first block was due (the measured first-block latency): right after the
         first block lands, landed / waited would mostly measure that latency and take a
         fast store for a slow one."""
         expected = self.expected_rate(host_share)
@@ -232,8 +233,8 @@ class LoadPlanner:
             return None
         L, F = expected
         overdue = (waited or 0.0) - F
-        if overdue > 0:  # no block yet, later than the latency: not faster than one so far
-            return min(L, self.block_size / overdue), 0.0
+        if overdue > 0:  # nothing yet, later than the latency
+            return (L if num_pending <= 0 else min(L, num_pending / overdue)), 0.0
         return L, -overdue
 
     # -- the last run's rates ------------------------------------------------------------
