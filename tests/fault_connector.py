@@ -146,8 +146,9 @@ class FaultWorker(_Faulty, FsPoolWorker):
         _, kind, t, placeholder = held
         table = self._loads if kind == "load" else self._saves
         table[t.request_id].remove(placeholder)
-        if kind == "load":
-            table[t.request_id].append(self._io.submit(self._load_blocks, [t], LoadQueue([[t]])))
+        if kind == "load":  # a queue of its own, its one unit taken as an I/O task takes it
+            queue = LoadQueue([[t]], per_block=self._mover is None)
+            table[t.request_id].append(self._io.submit(self._load_blocks, queue.pop(), queue))
         else:  # the late copy out of the KV, started as a step's saves are
             meta = self.get_connector_meta()
             self.bind_connector_meta(FsPoolMeta(saves=[t]))
