@@ -61,6 +61,16 @@ def test_the_load_s_own_rate_overrides_earlier_loads():
     assert step.num_tokens == min(63 * BS, 8192) and step.drop_to == 63
 
 
+def test_a_few_first_blocks_do_not_replace_earlier_loads_rate():
+    """Earlier loads ran at 77k tokens/s; 3 blocks landed 2 ms into this one (24k tokens/s
+    while the reads ramp up). Not yet this load's rate: the front leaves it all to the load.
+    Far slower (4x) counts at once."""
+    p = planner(prefill=635.0, load=77_000.0)
+    assert p.front_step(0, 0, 124, 127, started=0.0, now=0.002).num_tokens == 0
+    slow = p.front_step(0, 0, 124, 127, started=0.0, now=0.3)  # 160 tokens/s
+    assert slow.num_tokens == 124 * BS and slow.drop_to == 124
+
+
 def test_the_first_landed_unit_is_not_taken_for_the_rate():
     """A store with 50 ms to its first blocks and fast after: 16 blocks landed 60 ms in.
     Over the whole wait that is ~4,300 tokens/s, slower than computing (5,000): the front

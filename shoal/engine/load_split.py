@@ -48,6 +48,10 @@ MIN_PREFILL_TOKENS = 32  # a step measures the prefill rate if it computes this 
 # a load's own rate: at least this share of its wait counts as streaming (a first block
 # landing sooner than the usual latency must not make the rate look unbounded)
 MIN_STREAMING_SHARE = 0.25
+# a load's own rate replaces earlier loads' once this many blocks landed, or before if it
+# is this many times slower
+MIN_OWN_RATE_BLOCKS = 8
+OWN_RATE_SLACK = 4
 MAX_RATE_FILES = 64  # the newest kept: one per pool directory, and temporary pools come and go
 # a finished load teaches one source's rate: the one at least this share of it came from
 # (a mixed load teaches the other source's rate once one of the two is known)
@@ -223,12 +227,17 @@ class LoadPlanner:
         may land all at once, so that is all the silence says). The own rate counts time
         from when a first block was due (the measured first-block latency): right after the
         first block lands, landed / waited would mostly measure that latency and take a
-        fast store for a slow one."""
+        fast store for a slow one; and it replaces earlier loads' rate once a few blocks
+        have landed, or sooner if it is far slower (the first blocks come while the reads
+        ramp up)."""
         expected = self.expected_rate(host_share)
         F = expected[1] if expected is not None else self.load_latency_s.value
         if waited is not None and waited > 0 and num_landed > 0:
             streaming = max(waited - (F or 0.0), waited * MIN_STREAMING_SHARE)
-            return num_landed / streaming, 0.0
+            own = num_landed / streaming
+            if (expected is None or num_landed >= MIN_OWN_RATE_BLOCKS * self.block_size
+                    or own * OWN_RATE_SLACK < expected[0]):
+                return own, 0.0
         if expected is None:
             return None
         L, F = expected
