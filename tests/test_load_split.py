@@ -67,8 +67,8 @@ def test_a_few_first_blocks_do_not_replace_earlier_loads_rate():
     earlier rate gives it (at 24k it would take four). Far slower (4x) counts at once."""
     p = planner(prefill=635.0, load=77_000.0)
     assert p.front_step(0, 0, 124, 127, started=0.0, now=0.002).num_tokens == BS
-    slow = p.front_step(0, 0, 124, 127, started=0.0, now=0.3)  # 160 tokens/s
-    assert slow.num_tokens == 124 * BS and slow.drop_to == 124
+    slow = p.front_step(0, 0, 124, 127, started=0.0, now=0.3)  # 160 tokens/s: its share
+    assert slow.num_tokens == 1984 * 635 // (635 + 160) // BS * BS and slow.drop_to == 99
 
 
 def test_the_first_landed_unit_is_not_taken_for_the_rate():
