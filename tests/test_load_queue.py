@@ -52,6 +52,14 @@ def test_without_per_block_a_running_unit_is_the_workers():
     assert q.progress() == LoadProgress(writes_from=6, landed_from=6)
 
 
+def test_a_drop_past_the_load_takes_all_of_it():
+    q = LoadQueue(units([9, 8], [7, 6]), per_block=True)
+    back = q.pop()
+    q.drop(50)
+    assert q.pop() is None and not q.wants(back[0])
+    assert q.progress() == LoadProgress(writes_from=10, landed_from=10)
+
+
 def test_blocks_land_one_by_one():
     q = LoadQueue(units([9, 8, 7, 6]), per_block=True)
     back = q.pop()

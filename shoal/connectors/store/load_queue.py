@@ -102,7 +102,7 @@ class LoadQueue:
             self._units = keep
             if not self.per_block:
                 return
-            below = range(max(num_blocks - self.first, 0))
+            below = range(min(max(num_blocks - self.first, 0), len(self._state)))
             for i in below:
                 if self._state[i] == self.RUNNING:
                     self._state[i] = 0
