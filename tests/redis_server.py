@@ -84,27 +84,31 @@ class RedisServer:
     def wait_ready(self) -> None:
         """Until the server logs that it accepts connections (its log goes to a pipe read
         here, then drained on a thread so that the server never blocks on it)."""
-        lines: queue.Queue[bytes | None] = queue.Queue()
+        self._lines: queue.Queue[bytes | None] = queue.Queue()
 
         def drain(out) -> None:
             for line in out:
-                lines.put(line)
-            lines.put(None)  # the server exited
+                self._lines.put(line)
+            self._lines.put(None)  # the server exited
         threading.Thread(target=drain, args=(self.proc.stdout,), daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
+        self.wait_for_log(b"Ready to accept connections", START_TIMEOUT_S)
+
+    def wait_for_log(self, text: bytes, timeout: float) -> None:
+        """Until the server logs a line holding `text` (after the lines read before)."""
+        deadline = time.monotonic() + timeout
         log = []
         while (left := deadline - time.monotonic()) > 0:
             try:
-                line = lines.get(timeout=left)
+                line = self._lines.get(timeout=left)
             except queue.Empty:
                 break
             if line is None:
                 raise RuntimeError(f"redis-server exited with {self.proc.wait()}: "
                                    f"{b''.join(log).decode(errors='replace')}")
             log.append(line)
-            if b"Ready to accept connections" in line:
+            if text in line:
                 return
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
+        raise RuntimeError(f"redis-server on port {self.port} never logged {text!r}")
 
     def client(self, db: int = 0, **kw):
         import redis

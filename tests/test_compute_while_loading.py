@@ -55,7 +55,7 @@ def pin_rates(llm: LLM, prefill: float, load: float, latency: float = 0.0) -> No
     p.prefill_overhead_s = 0.0
     p.observe_prefill = p.observe_load = lambda *a, **k: None
     # nor the load in flight: its own rate (landed / waited) is not taken for L either
-    p._load_rate = lambda num_landed, waited, host_share=0.0, num_pending=0: (
+    p._load_rate = lambda num_landed, waited, host_share, num_pending: (
         load, max(latency - (waited or 0.0), 0.0))
 
 

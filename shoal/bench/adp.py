@@ -20,12 +20,16 @@ STEP_FIELDS = ("iterations", "forward_passes", "control_collectives", "control_s
                "forward_seconds")
 
 
-def _prompts(llm: LLM, num_prompts: int) -> list[list[int]]:
-    if not llm.tokenizer.is_available:  # a random or tokenizer-less checkpoint: random ids
+def _prompts(model: str, num_prompts: int) -> list[list[int]]:
+    """Chat prompts, or random token ids for a random or tokenizer-less checkpoint (no
+    engine is started for either)."""
+    from shoal.model.loader import load_model_config, load_tokenizer_only
+    tokenizer = load_tokenizer_only(model)
+    if not tokenizer.is_available:
         rng = random.Random(0)
-        vocab = llm.engine.info.vocab_size
+        vocab = load_model_config(model).vocab_size
         return [[rng.randrange(vocab) for _ in range(24 + i % 7)] for i in range(num_prompts)]
-    return [llm.tokenizer.apply_chat_template(
+    return [tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Tell me a fact about the number {i}."}])
         for i in range(num_prompts)]
 
@@ -59,8 +63,7 @@ def _run(model: str, prompts, sampling, device: str, **fleet) -> dict:
 
 def run_adp(model: str, num_prompts: int, max_tokens: int, device: str, size: int = 2,
             against: str = "dp1", kv_cache_gb: float = 1.0) -> int:
-    with LLM(model, device=device, num_kv_blocks=8) as llm:
-        prompts = _prompts(llm, num_prompts)
+    prompts = _prompts(model, num_prompts)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     memory = dict(kv_cache_gb=kv_cache_gb, block_size=16)
     base = dict(tp_size=size) if against == "tp" else {}

@@ -218,8 +218,8 @@ class LoadPlanner:
         return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
                 "load_tokens_per_s": expected[0] if expected else 0.0}
 
-    def _load_rate(self, num_landed: int, waited: float | None, host_share: float = 0.0,
-                   num_pending: int = 0) -> tuple[float, float] | None:
+    def _load_rate(self, num_landed: int, waited: float | None, host_share: float,
+                   num_pending: int) -> tuple[float, float] | None:
         """(tokens/s, seconds before the first block lands) of the load from here: its own
         rate once it has landed something, before that the rates of earlier loads (None:
         there were none), but no faster than all its `num_pending` tokens in the time it is
@@ -242,8 +242,8 @@ class LoadPlanner:
             return None
         L, F = expected
         overdue = (waited or 0.0) - F
-        if overdue > 0:  # nothing yet, later than the latency
-            return (L if num_pending <= 0 else min(L, num_pending / overdue)), 0.0
+        if overdue > 0:  # later than the latency, and no own rate to go by yet
+            return min(L, num_pending / overdue), 0.0
         return L, -overdue
 
     # -- the last run's rates ------------------------------------------------------------

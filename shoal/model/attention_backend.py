@@ -28,25 +28,33 @@ class TorchBackend:
         v_cache[meta.slot_block_ids, meta.slot_offsets] = v
 
     def attend(self, q: torch.Tensor, meta, k_cache, v_cache) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq, D]: each request's rows over its context, causally. The
-        one-token decodes together (a batched gather), each longer chunk on its own."""
-        p = meta.paged
-        starts, lens, ctxs = p.host
-        table = p.block_table.long()
-        decodes = [s for s, n in enumerate(lens) if n == 1]
-        if len(decodes) == len(lens):  # steady-state decode: rows in request order
-            return decode_attention(q, table, ctxs, k_cache, v_cache)
-        out = torch.empty_like(q)
-        if decodes:
-            rows = to_device([starts[s] for s in decodes], q.device)
-            out[rows] = decode_attention(q[rows], table[decodes], [ctxs[s] for s in decodes],
-                                k_cache, v_cache)
-        bs = k_cache.shape[1]
-        for s, (start, n, ctx) in enumerate(zip(starts, lens, ctxs)):
-            if n > 1:
-                out[start:start + n] = _prefill(q[start:start + n], table[s, :-(-ctx // bs)], ctx,
-                                                k_cache, v_cache)
-        return out
+        """q [T, Hq, D] -> [T, Hq, D]: each request's rows over its context, causally."""
+        return attend_per_request(
+            meta, torch.empty_like(q), k_cache.shape[1],
+            lambda rows, table, ctxs: decode_attention(q[rows], table, ctxs, k_cache, v_cache),
+            lambda rows, block_ids, ctx: _prefill(q[rows], block_ids, ctx, k_cache, v_cache))
+
+
+def attend_per_request(meta, out: torch.Tensor, block_size: int, decode, prefill):
+    """A step's attention request by request, on the host's copy of the layout: the
+    one-token decodes together, `decode(rows, table [B, W], ctxs)` for their batch rows,
+    each longer chunk on its own, `prefill(rows, block_ids, ctx)`; their results written
+    into `out` [T, ...], which is returned (or, when every row decodes, in request order,
+    decode's result itself)."""
+    p = meta.paged
+    starts, lens, ctxs = p.host
+    table = p.block_table.long()
+    decodes = [s for s, n in enumerate(lens) if n == 1]
+    if len(decodes) == len(lens):  # steady-state decode: rows in request order
+        return decode(slice(None), table, ctxs)
+    if decodes:
+        rows = to_device([starts[s] for s in decodes], out.device)
+        out[rows] = decode(rows, table[decodes], [ctxs[s] for s in decodes])
+    for s, (start, n, ctx) in enumerate(zip(starts, lens, ctxs)):
+        if n > 1:
+            rows = slice(start, start + n)
+            out[rows] = prefill(rows, table[s, :-(-ctx // block_size)], ctx)
+    return out
 
 
 class TritonBackend:

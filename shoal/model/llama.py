@@ -165,10 +165,8 @@ class LlamaModel(nn.Module):
         router and its expert bias, as transformers does)."""
         self.to(dtype)
         for layer in self.layers:
-            if isinstance(layer.mlp, SparseMoE) and layer.mlp.float32_router:
-                layer.mlp.gate.float()
-                if layer.mlp.score_bias is not None:
-                    layer.mlp.score_bias.data = layer.mlp.score_bias.data.float()
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.router_to_float32()
         return self
 
     def use_backend(self, backend) -> None:

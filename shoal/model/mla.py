@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.model.attention_backend import causal_attention, decode_attention, gather_blocks
+from shoal.model.attention_backend import (attend_per_request, causal_attention,
+                                           decode_attention, gather_blocks)
 from shoal.model.config import ModelConfig
 from shoal.model.layers import RMSNorm
 from shoal.model.paged_mla import HAS_TRITON, mla_decode
@@ -76,21 +77,12 @@ class MLAttention(nn.Module):
 
     def _attend(self, q_nope, q_rot, meta, cache) -> torch.Tensor:
         """Decode rows absorbed (batched), each prefill chunk expanded -> [T, H, v]."""
-        starts, lens, ctxs = meta.paged.host
-        table = meta.paged.block_table.long()
-        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v)
-        decodes = [s for s, n in enumerate(lens) if n == 1]
-        if decodes:
-            rows = to_device([starts[s] for s in decodes], q_nope.device)
-            out[rows] = self.absorbed(q_nope[rows], q_rot[rows], cache, table[decodes],
-                                      [ctxs[s] for s in decodes])
-        block_size = cache.shape[1]
-        for s, (start, n, ctx) in enumerate(zip(starts, lens, ctxs)):
-            if n > 1:
-                rows = slice(start, start + n)
-                out[rows] = self.expanded(q_nope[rows], q_rot[rows], cache,
-                                          table[s, :-(-ctx // block_size)], ctx)
-        return out
+        return attend_per_request(
+            meta, q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v), cache.shape[1],
+            lambda rows, table, ctxs: self.absorbed(q_nope[rows], q_rot[rows], cache, table,
+                                                    ctxs),
+            lambda rows, block_ids, ctx: self.expanded(q_nope[rows], q_rot[rows], cache,
+                                                       block_ids, ctx))
 
     def _kv_b(self) -> torch.Tensor:
         """kv_b_proj per head [H, nope + v, L]: W_uk rows first, then W_uv."""

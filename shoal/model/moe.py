@@ -53,6 +53,14 @@ class SparseMoE(nn.Module):
         """DeepSeek's router weighs in float32 whatever the model's dtype (as transformers)."""
         return self.cfg.family in DEEPSEEK
 
+    def router_to_float32(self) -> None:
+        """After the model was cast: the router's weight and expert bias back in float32
+        where the family keeps them so."""
+        if self.float32_router:
+            self.gate.float()
+            if self.score_bias is not None:
+                self.score_bias.data = self.score_bias.data.float()
+
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         return self.shard.every_token(x, meta, self.partial)
 

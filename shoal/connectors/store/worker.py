@@ -277,6 +277,8 @@ class StoreWorker(KvConnectorWorker):
                 if queue.is_aborted:
                     failed.append(i)
                     return None
+                if self._throttle is not None:
+                    self._throttle.wait(self.layout.block_nbytes)
                 checksum = self._read_block(transfers[i], reader, i, dest,
                                             verify=not self._mover.verifies)
                 if checksum is None:
@@ -306,19 +308,16 @@ class StoreWorker(KvConnectorWorker):
         if not queue.claim(t):  # dropped just now
             return False
         try:
-            return self._read_block(t, reader, i, self._block_bytes[t.block_id],
-                                    throttled=False) is not None
+            return self._read_block(t, reader, i, self._block_bytes[t.block_id]) is not None
         finally:
             queue.land(t)
 
     def _read_block(self, t: BlockTransfer, reader: UnitReader, i: int, dest: memoryview,
-                    verify: bool = True, throttled: bool = True) -> int | None:
+                    verify: bool = True) -> int | None:
         """Read block `t` (the reader's block i) into `dest`, verified unless `verify` is
         False (then the caller verifies it); the header's checksum of the payload, or None
         (the failure recorded, a corrupt block set aside) if it is missing, unreadable or
         fails."""
-        if throttled and self._throttle is not None:
-            self._throttle.wait(self.layout.block_nbytes)
         try:
             return reader.read_into(i, dest, verify)
         except BlockMissing:
