@@ -11,8 +11,10 @@ what=$1; shift
 if [ "$what" = tests ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' | tee -a "$OUT/gpu.txt"
-  python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_cuda.py tests/test_host_tier.py \
-    -k "not smollm2" "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+  python3 -m pytest -q -p no:cacheprovider -rfE --durations=12 tests/test_paged_attention.py \
+    tests/test_cuda.py tests/test_host_tier.py tests/test_gpu_xxh3.py tests/test_fused_ops.py \
+    tests/test_paged_mla.py tests/test_fused_moe.py -k "not smollm2" "$@" 2>&1 \
+    | tee "$OUT/tests.log" | tail -60
 else
   for spec in "$@"; do  # shape:num_prompts:prompt_len:max_tokens
     IFS=: read -r shape n len toks <<<"$spec"

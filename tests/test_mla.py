@@ -14,6 +14,7 @@ from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
 from shoal.connectors.fs import format as pf
 from shoal.kv.block_keys import extend_block_keys, request_seed
+from shoal.model.attention_backend import TorchBackend, TritonBackend
 from shoal.model.config import ModelConfig
 from shoal.model.llama import LlamaModel
 from shoal.model.mla import MLAttention
@@ -50,7 +51,7 @@ def test_absorbed_decode_equals_expanded_attention(tiny_moe_models, name):
     lengths), the absorbed form equals attention over the expanded per-head K and V."""
     torch.manual_seed(0)
     cfg = ModelConfig.from_hf(hf_config(tiny_moe_models[name]))
-    attn = MLAttention(cfg, 0, Shard()).double()
+    attn = MLAttention(cfg, 0, Shard(), TorchBackend()).double()
     for p in attn.parameters():
         torch.nn.init.normal_(p, std=0.3)
     heads, bs, num_blocks = attn.num_heads, 4, 16
@@ -76,10 +77,10 @@ def test_absorbed_decode_in_bfloat16_is_as_close_as_expanded(tiny_moe_models):
     one is as close as the expanded one (which is what transformers computes)."""
     torch.manual_seed(1)
     cfg = ModelConfig.from_hf(hf_config(tiny_moe_models["deepseek_v3"]))
-    exact = MLAttention(cfg, 0, Shard()).double()
+    exact = MLAttention(cfg, 0, Shard(), TorchBackend()).double()
     for p in exact.parameters():
         torch.nn.init.normal_(p, std=0.15)
-    half = MLAttention(cfg, 0, Shard()).bfloat16()
+    half = MLAttention(cfg, 0, Shard(), TorchBackend()).bfloat16()
     half.load_state_dict({k: v.bfloat16() for k, v in exact.state_dict().items()})
     cache = torch.randn(16, 4, 1, cfg.kv_lora_rank + cfg.head_dim, dtype=torch.float64)
     ctxs = [5, 13, 16]

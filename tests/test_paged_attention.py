@@ -112,15 +112,25 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
                                      "on a GPU tests/test_cuda.py runs it for real")
 
 
+@pytest.fixture(params=["llama", "deepseek_v2"])
+def kernel_model(request) -> str:
+    """A dense GQA model, and one with latent attention (its decode kernel) and experts
+    (the fused MoE): what the Triton backend runs on a GPU."""
+    if request.param == "llama":
+        return request.getfixturevalue("tiny_model")
+    return str(request.getfixturevalue("tiny_moe_models")[request.param])
+
+
 @CPU_ONLY
 @pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.extended), True])
-def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap):
+def test_engine_on_the_paged_path_equals_the_reference_path(kernel_model, overlap):
     """The runner's kernel path (packed inputs, paged kernels: what CUDA runs), forced here
     on CPU through the interpreter, gives the reference path's tokens: prefill chunks,
     prefix hits, decodes."""
     from shoal import LLM, SamplingParams
     from shoal.model.attention_backend import TritonBackend
     from tests.conftest import random_prompts
+    tiny_model = kernel_model
 
     shared = random_prompts(512, [24], seed=5)[0]
     prompts = [shared + p for p in random_prompts(512, [3, 17, 40], seed=6)] + [[7]]
@@ -140,7 +150,7 @@ def test_engine_on_the_paged_path_equals_the_reference_path(tiny_model, overlap)
 
 
 @CPU_ONLY
-def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
+def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
     """What a replayed graph reads (its padded batch: ladder sizes, scratch-block rows with no
     context, the table placed from a compact copy), run eagerly on CPU through the kernels:
     the reference path's tokens. The capture itself needs a GPU (tests/test_cuda.py)."""
@@ -165,6 +175,7 @@ def test_decode_graph_inputs_give_the_reference_tokens(tiny_model):
             self.num_replays += 1
             return self._forward(g)[:len(batch.chunks)]
 
+    tiny_model = kernel_model
     prompts = random_prompts(512, [3, 17, 9, 30, 1], seed=15)
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 6, 14)]
     kw = dict(block_size=4, num_kv_blocks=128, max_batch_size=5)

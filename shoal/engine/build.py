@@ -90,7 +90,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     cfg = source.config
     tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
     with torch.device("meta"):
-        model = LlamaModel(cfg, peers.shard, default_backend(device, cfg.is_mla))
+        model = LlamaModel(cfg, peers.shard, default_backend(device))
     model = model.to_dtype(dtype).to_empty(device=device)  # storage allocated once, in its dtype
     model.tie_weights_if_needed()
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the dtype (as transformers)

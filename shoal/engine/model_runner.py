@@ -162,6 +162,8 @@ class ModelRunner:
 
     def _warm_up(self) -> None:
         from shoal.model.paged_attention import warm_up
+        if self.model.cfg.is_mla:  # no K/V kernels; the latent decode compiles in the
+            return  # graphs' warm-up (or, with enforce_eager, in the first decode step)
         attn = self.model.layers[0].self_attn
         k_cache, v_cache = self.kv_cache.layers[0]
         q = torch.empty(1, attn.num_heads, attn.head_dim, dtype=k_cache.dtype,

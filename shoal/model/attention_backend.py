@@ -74,11 +74,10 @@ class TritonBackend:
                              p.context_lens, p.max_query_len)
 
 
-def default_backend(device: torch.device, is_mla: bool = False) -> TorchBackend | TritonBackend:
-    """The kernels on a CUDA device with Triton; the torch ops anywhere else, and for latent
-    attention (MLA), which has no paged kernel yet."""
+def default_backend(device: torch.device) -> TorchBackend | TritonBackend:
+    """The kernels on a CUDA device with Triton; the torch ops anywhere else."""
     from shoal.model.paged_attention import HAS_TRITON
-    if device.type == "cuda" and HAS_TRITON and not is_mla:
+    if device.type == "cuda" and HAS_TRITON:
         return TritonBackend()
     return TorchBackend()
 

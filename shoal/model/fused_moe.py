@@ -27,6 +27,8 @@ import torch
 from shoal.model.paged_attention import HAS_TRITON, _precision
 
 BLOCK_M = 16
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of both launches; scripts/moe_tune.py sweeps them
+TILES = (64, 64, 4, 4)
 
 if HAS_TRITON:
     import triton
@@ -123,9 +125,11 @@ def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int):
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, chosen: torch.Tensor, first: int) -> torch.Tensor:
+                  weights: torch.Tensor, chosen: torch.Tensor, first: int,
+                  tiles: tuple[int, int, int, int] = TILES) -> torch.Tensor:
     """x [T, hidden]; gate_up [E, 2I, hidden]; down [E, hidden, I] (this rank's experts
-    first..first+E-1); weights/chosen [T, k] (the router's) -> this rank's share [T, hidden]."""
+    first..first+E-1); weights/chosen [T, k] (the router's) -> this rank's share [T, hidden].
+    `tiles`: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, chosen.shape[1]
@@ -136,14 +140,16 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     hidden_rows = torch.empty(num_tiles * BLOCK_M, inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     x, weights = x.contiguous(), weights.contiguous()
-    block_n, block_k, precision = 64, 32, _precision(x)
+    block_n, block_k, warps, stages = tiles
+    precision = _precision(x)
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
         x, gate_up, hidden_rows, row_ids, tile_expert, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), hidden_rows.stride(0), NUM_EXPERTS=num_experts, TOP_K=top_k,
         HIDDEN=hidden, INTER=inter, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=precision)
+        PRECISION=precision, num_warps=warps, num_stages=stages)
     _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
         hidden_rows, down, out, weights, row_ids, tile_expert, hidden_rows.stride(0),
         down.stride(0), down.stride(1), out.stride(0), NUM_EXPERTS=num_experts, HIDDEN=hidden,
-        INTER=inter, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+        INTER=inter, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=warps, num_stages=stages)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.backend = backend
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = (MLAttention(cfg, layer_idx, shard) if cfg.is_mla
+        self.self_attn = (MLAttention(cfg, layer_idx, shard, backend) if cfg.is_mla
                           else Attention(cfg, layer_idx, shard, backend))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (SparseMoE(cfg, shard, backend) if layer_idx in cfg.moe_layers

@@ -14,7 +14,8 @@ the head's rows of `kv_b_proj`. Two ways to attend, equal in exact arithmetic:
 Under TP the heads (q, kv_b and o rows/columns) are split and the latent is whole on every
 rank; under ADP all of it is whole. On a CUDA device the absorbed decode runs the Triton
 kernel of shoal/model/paged_mla.py; prefill chunks and the CPU use the torch backend's
-gathers. The model runs eagerly (no CUDA graphs yet).
+gathers. Under the Triton backend a step where every row decodes reads only the device
+tables (no host list), so it runs inside the decode CUDA graphs.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ LORA_NORM_EPS = 1e-6  # the latent norms' epsilon (DeepSeek's configs do not set
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, shard):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard, backend):
         super().__init__()
         self.layer_idx = layer_idx
         self.shard = shard
+        self.backend = backend
         self.num_heads = cfg.num_heads // shard.attention_size
         self.nope, self.rope, self.v = cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim
         self.latent = cfg.kv_lora_rank
@@ -77,6 +79,9 @@ class MLAttention(nn.Module):
 
     def _attend(self, q_nope, q_rot, meta, cache) -> torch.Tensor:
         """Decode rows absorbed (batched), each prefill chunk expanded -> [T, H, v]."""
+        p = meta.paged
+        if self.backend.paged and p.max_query_len == 1:  # the device tables alone
+            return self.absorbed(q_nope, q_rot, cache, p.block_table, p.context_lens)
         return attend_per_request(
             meta, q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v), cache.shape[1],
             lambda rows, table, ctxs: self.absorbed(q_nope[rows], q_rot[rows], cache, table,
@@ -88,15 +93,16 @@ class MLAttention(nn.Module):
         """kv_b_proj per head [H, nope + v, L]: W_uk rows first, then W_uv."""
         return self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v, self.latent)
 
-    def absorbed(self, q_nope, q_rot, cache, table, ctxs: list[int]) -> torch.Tensor:
-        """B decode rows, row b at the end of its context of ctxs[b] tokens (`table` [B, W]
-        its blocks) -> [B, H, v], without expanding a latent."""
+    def absorbed(self, q_nope, q_rot, cache, table, ctxs) -> torch.Tensor:
+        """B decode rows, row b at the end of its context of ctxs[b] tokens (a list, or
+        int32 on the device for the kernel; `table` [B, W] its blocks) -> [B, H, v],
+        without expanding a latent."""
         w = self._kv_b()
         q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w[:, :self.nope])
         q = torch.cat((q_latent, q_rot), dim=-1)  # [B, H, L + R]
-        if q.is_cuda and HAS_TRITON:  # the kernel reads the latents through the table
-            out_latent = mla_decode(q, cache, table, to_device(ctxs, q.device, torch.int32),
-                                    self.latent, self.scale)
+        if HAS_TRITON and (q.is_cuda or self.backend.paged):  # reads through the table
+            lens = ctxs if torch.is_tensor(ctxs) else to_device(ctxs, q.device, torch.int32)
+            out_latent = mla_decode(q, cache, table, lens, self.latent, self.scale)
         else:
             out_latent = decode_attention(q, table, ctxs, cache, cache[..., :self.latent],
                                           self.scale)  # [B, H, L]

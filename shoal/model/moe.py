@@ -34,6 +34,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.shard = shard
+        self.backend = backend
         self.num_local = cfg.num_experts // shard.size
         self.first = shard.rank * self.num_local  # this rank's experts: [first, first + num_local)
         self.intermediate_size = cfg.moe_intermediate_size
@@ -93,7 +94,7 @@ class SparseMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share of the layer's output for the rows of `x`."""
         weights, chosen = self.route(x)
-        if x.is_cuda and HAS_TRITON:  # two grouped-GEMM launches
+        if HAS_TRITON and (x.is_cuda or self.backend.paged):  # two grouped-GEMM launches
             out = fused_experts(x, self.gate_up, self.down, weights, chosen, self.first)
         else:
             out = self.experts_one_by_one(x, weights, chosen)
