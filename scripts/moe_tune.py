@@ -2,10 +2,11 @@
 
     PYTHONPATH=$PWD python3 scripts/moe_tune.py
 
-For each real expert shape and batch, every (BLOCK_N, BLOCK_K, num_warps, num_stages) in
-the sweep is captured in a CUDA graph (as the decode step runs it) and replayed; the time
+For each real expert shape and batch (decode batches of 64 and 256 tokens, a prefill chunk
+of 4096), every (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in the sweep is captured in a CUDA graph (as the decode step runs it) and replayed; the time
 is set against the floor: the weights of the experts the batch routes to, read once at the
-bandwidth of a large device copy. Prints one line per config, best first per case.
+bandwidth of a large device copy (and, for the chunk, its FLOPs at 750 TFLOP/s). Prints
+the best configs per case and the one `pick_tiles` chooses.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import itertools
 
 import torch
 
-from shoal.model.fused_moe import TILES, fused_experts
+from shoal.model.fused_moe import TILES, fused_experts, pick_tiles
 
 SHAPES = {  # name: (hidden, moe intermediate, experts, top-k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "deepseek-v2-lite": (2048, 1408, 64, 6),
 }
-SWEEP = list(itertools.product((32, 64, 128), (64, 128), (4,), (3, 4))) + [
-    (64, 128, 8, 3), (128, 128, 8, 3)]
+SWEEP = {16: [(16, n, k, 4, s) for n, k, s in itertools.product((64, 128), (64, 128), (3, 4))],
+         64: [(64, n, 64, w, 3) for n, w in itertools.product((64, 128), (4, 8))],
+         128: [(128, n, k, 8, 3) for n, k in itertools.product((64, 128), (32, 64))]}
+BATCHES = {64: (16,), 256: (16, 64), 4096: (64, 128)}  # tokens: the tile heights tried
 
 
 def _bandwidth() -> float:
@@ -63,14 +66,17 @@ def main() -> None:
                               generator=g) * 0.02
         down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16,
                            generator=g) * 0.02
-        for tokens in (64, 256):
+        for tokens, heights in BATCHES.items():
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
             chosen = torch.rand(tokens, experts, device="cuda", generator=g).argsort(1)[:, :k]
             weights = torch.rand(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
             touched = chosen.unique().numel()
-            floor_ms = 1e3 * touched * 3 * hidden * inter * 2 / bw
+            floor_ms = max(1e3 * touched * 3 * hidden * inter * 2 / bw,
+                           1e3 * 2 * tokens * k * 3 * hidden * inter / 750e12)
             rows = []
-            for tiles in SWEEP:
+            chosen_tiles = pick_tiles(chosen.numel(), experts)
+            sweep = [t for h in heights for t in SWEEP[h]]
+            for tiles in sweep + ([chosen_tiles] if chosen_tiles not in sweep else []):
                 try:
                     ms = _replay_ms(lambda: fused_experts(x, gate_up, down, weights, chosen, 0,
                                                           tiles))
@@ -80,7 +86,7 @@ def main() -> None:
                 rows.append((ms, tiles))
             rows.sort()
             print(f"{name} T={tokens}: {touched}/{experts} experts, floor {floor_ms:.3f} ms")
-            for ms, tiles in rows[:6] + [r for r in rows if r[1] == TILES]:
+            for ms, tiles in rows[:5] + [r for r in rows if r[1] == chosen_tiles]:
                 print(f"  {str(tiles):<20} {ms:7.3f} ms  x{ms / floor_ms:5.2f} floor")
 
 

@@ -23,8 +23,9 @@ CFG = ModelConfig(vocab_size=16, hidden_size=48, intermediate_size=32, num_layer
                   moe_layers=(0,))
 
 
+# tiles of 16 rows (up to 16 rows an expert), of 64 (150 tokens) and of 128 (400, rank 1 of 2)
 CASES = [(1, 0, 1, torch.float32), (37, 0, 1, torch.float32), (21, 1, 2, torch.float32),
-         (0, 0, 1, torch.float32)] + (  # bfloat16 on a GPU only (the interpreter has none)
+         (0, 0, 1, torch.float32), (150, 0, 1, torch.float32), (400, 1, 2, torch.float32)] + (  # bfloat16 on a GPU only (the interpreter has none)
     [(300, 0, 1, torch.bfloat16)] if DEVICE == "cuda" else [])
 
 
@@ -46,12 +47,13 @@ def test_fused_experts_match_one_by_one(num_tokens, rank, size, dtype):
     assert out.shape == (num_tokens, CFG.hidden_size) and (num_tokens == 0 or ref.abs().sum() > 0)
 
 
-def test_sorted_rows_cover_each_assignment_once():
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_sorted_rows_cover_each_assignment_once(block_m):
     chosen = torch.tensor([[0, 3], [3, 1], [7, 3], [3, 0]])  # rank 0 of 2 holds experts 0-3
-    row_ids, tile_expert = fm._sort_by_expert(chosen, first=0, num_experts=4)
+    row_ids, tile_expert = fm._sort_by_expert(chosen, first=0, num_experts=4, block_m=block_m)
     used = row_ids[row_ids >= 0].tolist()
     assert sorted(used) == [0, 1, 2, 3, 5, 6, 7]  # every assignment to experts 0-3; 4 is 7's
-    tiles = row_ids.view(-1, fm.BLOCK_M)
+    tiles = row_ids.view(-1, block_m)
     for t, e in enumerate(tile_expert.tolist()):
         if e < 4:
             assert all(int(chosen.flatten()[a]) == e for a in tiles[t].tolist() if a >= 0)

@@ -2,7 +2,8 @@
 
 Each token's k choices are "assignments" (a = token * k + slot). They are sorted by expert
 and each expert's run is padded to whole tiles of BLOCK_M rows, so a tile belongs to one
-expert:
+expert (BLOCK_M 16 for a decode batch, a few rows per expert; more for a prefill chunk,
+where each tile re-reads its expert's weights):
 
     sorted rows   | e0 e0 e0 -- | e1 e1 e1 e1 | e1 -- -- -- | e3 -- -- -- | (unused tiles)
     tile_expert   |     0       |      1      |      1      |      3      | E (= skip)
@@ -26,9 +27,14 @@ import torch
 
 from shoal.model.paged_attention import HAS_TRITON, _precision
 
-BLOCK_M = 16
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of both launches; scripts/moe_tune.py sweeps them
-TILES = (64, 64, 4, 4)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of both launches, by the mean rows an
+# expert gets (up to the key); scripts/moe_tune.py sweeps them on a GPU
+TILES = {16: (16, 64, 64, 4, 4), 64: (64, 64, 64, 4, 3), None: (128, 128, 64, 8, 3)}
+
+
+def pick_tiles(num_assignments: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    rows = num_assignments / max(num_experts, 1)
+    return next(t for limit, t in TILES.items() if limit is None or rows <= limit)
 
 if HAS_TRITON:
     import triton
@@ -96,8 +102,8 @@ if HAS_TRITON:
                      mask=valid[:, None] & (n[None, :] < HIDDEN))
 
 
-def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int):
-    """(row_ids [tiles * BLOCK_M], tile_expert [tiles]) of the assignments `chosen` [T, k]
+def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int, block_m: int):
+    """(row_ids [tiles * block_m], tile_expert [tiles]) of the assignments `chosen` [T, k]
     to this rank's experts [first, first + num_experts), all on the device."""
     local = chosen.flatten() - first
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
@@ -106,7 +112,7 @@ def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int):
     # (not bincount: its size depends on the values, which a CUDA graph cannot wait for)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=chosen.device).scatter_add_(
         0, local, torch.ones_like(local))[:num_experts]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start_in_order = torch.cumsum(counts, 0) - counts  # an expert's first place in `order`
     e = local[order]
@@ -114,42 +120,42 @@ def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int):
     e_safe = e.clamp(max=num_experts - 1)
     slot = padded_end[e_safe] - padded[e_safe] + torch.arange(num, device=chosen.device) \
         - start_in_order[e_safe]
-    # an upper bound whatever the routing: the used slots (at most num + E * (BLOCK_M - 1))
+    # an upper bound whatever the routing: the used slots (at most num + E * (block_m - 1))
     # never reach the last one, where other ranks' assignments are parked as -1
-    num_tiles = -(-num // BLOCK_M) + num_experts
-    row_ids = torch.full((num_tiles * BLOCK_M,), -1, dtype=torch.int64, device=chosen.device)
-    row_ids[torch.where(mine, slot, num_tiles * BLOCK_M - 1)] = torch.where(mine, order, -1)
-    tile_start = torch.arange(num_tiles, device=chosen.device) * BLOCK_M
+    num_tiles = -(-num // block_m) + num_experts
+    row_ids = torch.full((num_tiles * block_m,), -1, dtype=torch.int64, device=chosen.device)
+    row_ids[torch.where(mine, slot, num_tiles * block_m - 1)] = torch.where(mine, order, -1)
+    tile_start = torch.arange(num_tiles, device=chosen.device) * block_m
     tile_expert = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
     return row_ids, tile_expert
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   weights: torch.Tensor, chosen: torch.Tensor, first: int,
-                  tiles: tuple[int, int, int, int] = TILES) -> torch.Tensor:
+                  tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [T, hidden]; gate_up [E, 2I, hidden]; down [E, hidden, I] (this rank's experts
     first..first+E-1); weights/chosen [T, k] (the router's) -> this rank's share [T, hidden].
-    `tiles`: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    `tiles`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); by default `pick_tiles`."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, chosen.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(x)
-    row_ids, tile_expert = _sort_by_expert(chosen, first, num_experts)
+    block_m, block_n, block_k, warps, stages = tiles or pick_tiles(chosen.numel(), num_experts)
+    row_ids, tile_expert = _sort_by_expert(chosen, first, num_experts, block_m)
     num_tiles = tile_expert.shape[0]
-    hidden_rows = torch.empty(num_tiles * BLOCK_M, inter, dtype=x.dtype, device=x.device)
+    hidden_rows = torch.empty(num_tiles * block_m, inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     x, weights = x.contiguous(), weights.contiguous()
-    block_n, block_k, warps, stages = tiles
     precision = _precision(x)
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
         x, gate_up, hidden_rows, row_ids, tile_expert, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), hidden_rows.stride(0), NUM_EXPERTS=num_experts, TOP_K=top_k,
-        HIDDEN=hidden, INTER=inter, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, num_warps=warps, num_stages=stages)
     _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
         hidden_rows, down, out, weights, row_ids, tile_expert, hidden_rows.stride(0),
         down.stride(0), down.stride(1), out.stride(0), NUM_EXPERTS=num_experts, HIDDEN=hidden,
-        INTER=inter, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         num_warps=warps, num_stages=stages)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
