@@ -1,6 +1,6 @@
 """The fused MoE's tile sizes against its floor, on the lent GPU (bf16, random routing).
 
-    PYTHONPATH=$PWD python3 scripts/moe_tune.py
+    PYTHONPATH=$PWD python3 scripts/moe_tune.py [TOKENS ...]   (default: 64 256 4096)
 
 For each real expert shape and batch (decode batches of 64 and 256 tokens, a prefill chunk
 of 4096), every (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in the sweep is captured in a CUDA graph (as the decode step runs it) and replayed; the time
@@ -12,6 +12,7 @@ the best configs per case and the one `pick_tiles` chooses.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 
@@ -57,7 +58,7 @@ def _replay_ms(fn, reps: int = 30) -> float:
     return start.elapsed_time(end) / reps
 
 
-def main() -> None:
+def main(batches: dict[int, tuple[int, ...]]) -> None:
     bw = _bandwidth()
     print(f"device copy bandwidth {bw / 1e9:.0f} GB/s; default tiles {TILES}")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -66,7 +67,7 @@ def main() -> None:
                               generator=g) * 0.02
         down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16,
                            generator=g) * 0.02
-        for tokens, heights in BATCHES.items():
+        for tokens, heights in batches.items():
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
             chosen = torch.rand(tokens, experts, device="cuda", generator=g).argsort(1)[:, :k]
             weights = torch.rand(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -91,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main({int(t): BATCHES[int(t)] for t in sys.argv[1:]} or BATCHES)
