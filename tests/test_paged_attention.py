@@ -152,8 +152,9 @@ def test_engine_on_the_paged_path_equals_the_reference_path(kernel_model, overla
 @CPU_ONLY
 def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
     """What a replayed graph reads (its padded batch: ladder sizes, scratch-block rows with no
-    context, the table placed from a compact copy), run eagerly on CPU through the kernels:
-    the reference path's tokens. The capture itself needs a GPU (tests/test_cuda.py)."""
+    context, its table gathered from the rows kept across steps), run eagerly on CPU through
+    the kernels: the reference path's tokens. The capture itself needs a GPU
+    (tests/test_cuda.py)."""
     from shoal import LLM, SamplingParams
     from shoal.engine import cuda_graphs
     from shoal.model.attention_backend import TritonBackend
@@ -163,12 +164,8 @@ def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
         def __init__(self, model, kv_cache, max_batch_size, width):
             self.model, self.kv_cache, self.width = model, kv_cache, width
             self.block_size = kv_cache.layout.block_size
-            self.max_size, self.num_replays = max_batch_size, 0
-            sizes = [s for s in cuda_graphs.BATCH_LADDER if s < max_batch_size] + [max_batch_size]
-            cpu = torch.device("cpu")
-            self.graphs = {s: cuda_graphs._Graph(s, width, cpu, kv_cache.scratch_block)
-                           for s in sizes}
-            self.host = cuda_graphs.HostBuffers(self.graphs[max_batch_size].host_size(width), cpu)
+            self.max_size = max_batch_size
+            self._build_inputs(torch.device("cpu"))
 
         def replay(self, batch, runner, layer_hooks=None):
             g = self.prepare(batch, runner)
@@ -187,6 +184,8 @@ def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
         runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, runner.table_width)
         outs = llm.generate(prompts, sp)
         assert runner.graphs.num_replays > 0
+        runner.graphs.table_rows.check_integrity()
+        assert not runner.graphs.table_rows._rows  # every finished request gave its row back
         llm.check_integrity()
     assert [o.token_ids for o in outs] == expected
 

@@ -8,7 +8,9 @@ the host buffers alternate (`HostBuffers`): one is rewritten only once its last 
 `DecodeGraphs`: a step whose chunks are all one-token decodes (the steady state) replays
 a graph captured at start-up for the smallest batch size on a ladder that holds it. The
 graph's inputs live in one device buffer per size; padded rows write their KV to a scratch
-block no request owns, attend to nothing and are never sampled. Connector layer hooks
+block no request owns, attend to nothing and are never sampled. Block tables are kept from
+step to step (`TableRows`: a request's row is written once, then only its new blocks); the
+graph gathers its rows of them as its first op. Connector layer hooks
 cannot run inside a replay: they are called for every layer before (loads waited for) and
 after it (saves enqueued), which the contract allows. One rank only (no collectives in a
 captured graph).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shoal.engine.table_rows import TableRows
 from shoal.util import cdiv
 from shoal.model.llama import AttentionMetadata, PagedInputs
 
@@ -84,18 +87,19 @@ class _Graph:
     """One captured decode step for `size` rows: its input buffers and output logits."""
 
     # host layout: ids | positions | slot blocks | slot offsets | context lens | placeholder
-    # rows | their sources (the vectors, `size` each), then a compact table
-    NUM_VECTORS = 7
+    # rows | their sources | table rows (the vectors, `size` each), then the table entries
+    # to write (flat indices, then block ids)
+    NUM_VECTORS = 8
 
     def __init__(self, size: int, width: int, device: torch.device, scratch_block: int):
         self.size = size
         self.buffer = torch.zeros(self.NUM_VECTORS * size, dtype=torch.int32, device=device)
         (self.ids, self.positions, self.slot_blocks, self.slot_offsets, self.lens,
-         self.fill_rows, self.sources) = (self.buffer[i * size:(i + 1) * size]
-                                          for i in range(self.NUM_VECTORS))
+         self.fill_rows, self.sources, self.table_rows) = (self.buffer[i * size:(i + 1) * size]
+                                                           for i in range(self.NUM_VECTORS))
         self.slot_blocks.fill_(scratch_block)
-        self.table = torch.zeros(size, width, dtype=torch.int32, device=device)
-        self.staging = torch.zeros(size * width, dtype=torch.int32, device=device)
+        self.table = torch.zeros(size, width, dtype=torch.int32, device=device)  # gathered
+        self.staging = torch.zeros(2 * size * width, dtype=torch.int32, device=device)
         self.scratch_block = scratch_block  # padded rows write it: no request owns it
         rows = torch.arange(size, dtype=torch.int32, device=device)
         self.meta = AttentionMetadata(
@@ -105,40 +109,39 @@ class _Graph:
         self.logits: torch.Tensor | None = None
 
     def host_size(self, width: int) -> int:
-        return self.NUM_VECTORS * self.size + self.size * width
+        return self.NUM_VECTORS * self.size + 2 * self.size * width
 
-    def fill(self, chunks, pinned: torch.Tensor, block_size: int, placeholders) -> int:
+    def fill(self, chunks, pinned: torch.Tensor, block_size: int, placeholders,
+             table_rows: TableRows) -> int:
         """Write a decode batch (len(chunks) <= size) through `pinned` (a host buffer of
-        host_size) into the graph's input buffers. Returns the number of placeholder rows
-        (`fill_rows[:k]`, to be filled from `sources[:k]` on the device)."""
+        host_size) into the graph's input buffers, and the blocks its requests added into
+        `table_rows`. Returns the number of placeholder rows (`fill_rows[:k]`, to be filled
+        from `sources[:k]` on the device)."""
         n, size, bs = len(chunks), self.size, block_size
-        cols = max(c.start // bs + 1 for c in chunks)  # table columns any row reads
         host = pinned.numpy()
-        ids, pos, blocks, offsets, lens, fill_rows, sources = (
+        ids, pos, blocks, offsets, lens, fill_rows, sources, rows = (
             host[i * size:(i + 1) * size] for i in range(self.NUM_VECTORS))
-        table = host[self.NUM_VECTORS * size:self.NUM_VECTORS * size + n * cols].reshape(n, cols)
         pos[:n] = [c.start for c in chunks]
         ids[:n] = [c.token_ids[0] if c.token_ids else 0 for c in chunks]
         blocks[:n] = [c.block_ids[c.start // bs] for c in chunks]
         np.remainder(pos[:n], bs, out=offsets[:n])
         np.add(pos[:n], 1, out=lens[:n])
-        for row, c in zip(table, chunks):  # entries past a row's own blocks are never read
-            used = c.block_ids[:c.start // bs + 1]
-            row[:len(used)] = used
+        rows[:n], indices, values = table_rows.place(chunks, bs)
         # padded rows (the buffer is shared by every size: stale otherwise): write the
-        # scratch block, attend to nothing
+        # scratch block, attend to nothing (through any table row)
         for vector, value in ((ids, 0), (pos, 0), (blocks, self.scratch_block), (offsets, 0),
-                              (lens, 0)):
+                              (lens, 0), (rows, 0)):
             vector[n:] = value
-        rows, srcs = placeholders(chunks)
-        k = len(rows)
-        fill_rows[:k], sources[:k] = rows, srcs
-        # only what the step reads travels: the vectors, and an n x cols table placed into
-        # the graph's wide one on the device (its other entries are never read)
-        vectors = self.NUM_VECTORS * size
+        sampled_rows, srcs = placeholders(chunks)
+        k = len(sampled_rows)
+        fill_rows[:k], sources[:k] = sampled_rows, srcs
+        # what travels: the vectors, and the table entries the step's requests added
+        vectors, m = self.NUM_VECTORS * size, len(indices)
+        host[vectors:vectors + m], host[vectors + m:vectors + 2 * m] = indices, values
         self.buffer.copy_(pinned[:vectors], non_blocking=True)
-        self.staging[:n * cols].copy_(pinned[vectors:vectors + n * cols], non_blocking=True)
-        self.table[:n, :cols].copy_(self.staging[:n * cols].view(n, cols))
+        if m:
+            self.staging[:2 * m].copy_(pinned[vectors:vectors + 2 * m], non_blocking=True)
+            table_rows.table.view(-1)[self.staging[:m].long()] = self.staging[m:2 * m]
         return k
 
 
@@ -149,11 +152,8 @@ class DecodeGraphs:
         self.block_size = kv_cache.layout.block_size
         self.width = table_width
         device = kv_cache.tensor.device
-        sizes = [s for s in BATCH_LADDER if s < max_batch_size] + [max_batch_size]
-        self.graphs = {s: _Graph(s, table_width, device, kv_cache.scratch_block) for s in sizes}
-        self.host = HostBuffers(self.graphs[max_batch_size].host_size(table_width), device)
         self.max_size = max_batch_size
-        self.num_replays = 0
+        self._build_inputs(device)
         pool = None
         with torch.inference_mode():
             for size in sorted(self.graphs, reverse=True):  # the largest first: a shared pool
@@ -167,7 +167,18 @@ class DecodeGraphs:
                 pool = g.graph.pool()
         torch.cuda.synchronize(device)
 
+    def _build_inputs(self, device: torch.device) -> None:
+        """Each size's input buffers, the host buffers, and the rows every graph gathers
+        its table from (room for the requests of two full batches: one leaving, one joining)."""
+        sizes = [s for s in BATCH_LADDER if s < self.max_size] + [self.max_size]
+        self.graphs = {s: _Graph(s, self.width, device, self.kv_cache.scratch_block)
+                       for s in sizes}
+        self.host = HostBuffers(self.graphs[self.max_size].host_size(self.width), device)
+        self.table_rows = TableRows(2 * self.max_size, self.width, device)
+        self.num_replays = 0
+
     def _forward(self, g: _Graph) -> torch.Tensor:
+        torch.index_select(self.table_rows.table, 0, g.table_rows, out=g.table)
         hidden = self.model(g.ids, g.positions, g.meta, self.kv_cache.layers, None)
         return self.model.compute_logits(hidden)
 
@@ -194,7 +205,8 @@ class DecodeGraphs:
         """The graph for `batch`, its inputs written and its placeholders filled."""
         n = len(batch.chunks)
         g = self.graphs[next(s for s in sorted(self.graphs) if s >= n)]
-        k = g.fill(batch.chunks, self.host.take(), self.block_size, runner.placeholders)
+        k = g.fill(batch.chunks, self.host.take(), self.block_size, runner.placeholders,
+                   self.table_rows)
         self.host.sent()
         runner.fill_placeholders(g.ids, g.fill_rows[:k], g.sources[:k])
         return g

@@ -174,6 +174,8 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """Drop per-request state once a request can never be scheduled again."""
         self.sampler.forget(request_id)
+        if self.graphs is not None:
+            self.graphs.table_rows.release(request_id)
 
     def placeholders(self, chunks) -> tuple[list[int], list[int]]:
         """(rows, sources): the batch rows of the chunks' placeholder tokens (a chunk's last
