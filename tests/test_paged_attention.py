@@ -161,9 +161,9 @@ def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
     from tests.conftest import random_prompts
 
     class EagerGraphs(cuda_graphs.DecodeGraphs):
-        def __init__(self, model, kv_cache, max_batch_size, width):
-            self.model, self.kv_cache, self.width = model, kv_cache, width
-            self.block_size = kv_cache.layout.block_size
+        def __init__(self, model, kv_cache, max_batch_size, table_rows):
+            self.model, self.kv_cache, self.table_rows = model, kv_cache, table_rows
+            self.width, self.block_size = table_rows.width, kv_cache.layout.block_size
             self.max_size = max_batch_size
             self._build_inputs(torch.device("cpu"))
 
@@ -181,7 +181,7 @@ def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
     with LLM(tiny_model, **kw) as llm:
         runner = llm.engine.runner
         runner.use_backend(TritonBackend())
-        runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, runner.table_width)
+        runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, runner.table_rows)
         outs = llm.generate(prompts, sp)
         assert runner.graphs.num_replays > 0
         runner.graphs.table_rows.check_integrity()

@@ -21,6 +21,7 @@ class _Chunk:  # the fields of a ScheduledChunk that TableRows reads
     request: _Req
     start: int
     block_ids: list[int]
+    num_tokens: int = 1
 
 
 def _step(rows: TableRows, chunks) -> tuple[list[int], int]:
@@ -28,8 +29,8 @@ def _step(rows: TableRows, chunks) -> tuple[list[int], int]:
     placed, indices, values = rows.place(chunks, BS)
     rows.table.view(-1)[torch.tensor(indices, dtype=torch.long)] = torch.tensor(
         values, dtype=torch.int32)
-    for row, c in zip(placed, chunks):  # what the graph gathers: the chunk's blocks so far
-        need = c.start // BS + 1
+    for row, c in zip(placed, chunks):  # what the step gathers: the chunk's blocks so far
+        need = (c.start + c.num_tokens - 1) // BS + 1
         assert rows.table[row, :need].tolist() == c.block_ids[:need]
     return placed, len(indices)
 
@@ -45,6 +46,9 @@ def test_only_new_blocks_are_written_and_rows_stay():
     assert written == 0 and again == placed[::-1]
     blocks_a.append(9)  # a crosses into a new block: one entry
     _, written = _step(rows, [_Chunk(a, 8, blocks_a)])
+    assert written == 1
+    blocks_b.extend([2, 8])  # a chunk of 7 tokens at positions 1-7: b's second block
+    _, written = _step(rows, [_Chunk(b, 1, blocks_b, num_tokens=7)])
     assert written == 1
     rows.check_integrity()
 

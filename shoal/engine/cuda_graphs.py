@@ -146,11 +146,12 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache, max_batch_size: int, table_width: int):
+    def __init__(self, model, kv_cache, max_batch_size: int, table_rows: TableRows):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
-        self.width = table_width
+        self.table_rows = table_rows  # the runner's: kept across every step
+        self.width = table_rows.width
         device = kv_cache.tensor.device
         self.max_size = max_batch_size
         self._build_inputs(device)
@@ -168,13 +169,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def _build_inputs(self, device: torch.device) -> None:
-        """Each size's input buffers, the host buffers, and the rows every graph gathers
-        its table from (room for the requests of two full batches: one leaving, one joining)."""
+        """Each size's input buffers and the host buffers."""
         sizes = [s for s in BATCH_LADDER if s < self.max_size] + [self.max_size]
         self.graphs = {s: _Graph(s, self.width, device, self.kv_cache.scratch_block)
                        for s in sizes}
         self.host = HostBuffers(self.graphs[self.max_size].host_size(self.width), device)
-        self.table_rows = TableRows(2 * self.max_size, self.width, device)
         self.num_replays = 0
 
     def _forward(self, g: _Graph) -> torch.Tensor:

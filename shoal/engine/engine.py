@@ -184,6 +184,7 @@ class Engine:
         if req is not None and not req.is_finished:
             if self.scheduler.cancel(req, defer_free=bool(self._inflight)):
                 self._rejected.append(req)  # returned by the next step
+                self._forget_ids.append(request_id)  # its runner state (sampler, table row)
         elif self.transfers is not None:  # ended; a save of it may still be pending
             self.transfers.deadlines.shorten(request_id)
 
@@ -352,6 +353,8 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if not self._inflight:  # forgotten requests have given their table rows back
+            self.runner.table_rows.check_integrity(held_by={*self._live, *self._forget_ids})
 
     def begin_drain(self) -> None:
         """Cancel every live request; every pending transfer gets at most control_grace_sec."""

@@ -26,6 +26,7 @@ import torch
 
 from shoal.engine.cuda_graphs import DecodeGraphs, StepInputs
 from shoal.engine.scheduler import ScheduledBatch
+from shoal.engine.table_rows import TableRows
 from shoal.kv.kv_cache import KVCache
 from shoal.util import HostCopy, cdiv
 from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs
@@ -57,12 +58,14 @@ class ModelRunner:
         # block-table columns: no request grows past the context or the whole cache
         max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
         self.table_width = cdiv(max_len, self.block_size)
+        # every running request's row (room for two full batches: one leaving, one joining)
+        self.table_rows = TableRows(2 * max_batch_size, self.table_width, device)
         self._inputs = StepInputs(device)
         self.graphs = None
         if self.is_paged:
             self._warm_up()
         if self.is_paged and not enforce_eager and model.shard.size == 1:
-            self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_width)
+            self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_rows)
 
     @property
     def is_paged(self) -> bool:
@@ -174,8 +177,7 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """Drop per-request state once a request can never be scheduled again."""
         self.sampler.forget(request_id)
-        if self.graphs is not None:
-            self.graphs.table_rows.release(request_id)
+        self.table_rows.release(request_id)
 
     def placeholders(self, chunks) -> tuple[list[int], list[int]]:
         """(rows, sources): the batch rows of the chunks' placeholder tokens (a chunk's last
@@ -200,38 +202,40 @@ class ModelRunner:
 
     def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
         """The step's inputs, for every backend: one (pinned, on a GPU) host buffer, one
-        host-to-device copy."""
+        host-to-device copy; the block table gathered from the rows kept across steps."""
         bs = self.block_size
-        ids, positions, slot_blocks, starts, lens, ctxs, tables, sample_rows = \
-            [], [], [], [], [], [], [], []
+        ids, positions, slot_blocks, starts, lens, ctxs, sample_rows = [], [], [], [], [], [], []
         row = 0
         for chunk in batch.chunks:
             end = chunk.start + chunk.num_tokens
             pos = np.arange(chunk.start, end, dtype=np.int32)
-            blocks = np.asarray(chunk.block_ids[:cdiv(end, bs)], dtype=np.int32)
+            first = chunk.start // bs  # the chunk's own blocks only
+            blocks = np.asarray(chunk.block_ids[first:cdiv(end, bs)], dtype=np.int32)
             ids.append(np.asarray(chunk.token_ids + [0] * chunk.num_placeholders, np.int32))
             positions.append(pos)
-            slot_blocks.append(blocks[pos // bs])
-            tables.append(blocks)
+            slot_blocks.append(blocks[pos // bs - first])
             starts.append(row)
             lens.append(chunk.num_tokens)
             ctxs.append(end)
             row += chunk.num_tokens
             if chunk.is_sampling:
                 sample_rows.append(row - 1)
-        width = max((len(t) for t in tables), default=1)
-        table = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = t
         pos = np.concatenate(positions) if positions else np.zeros(0, np.int32)
         fill_rows, sources = self.placeholders(batch.chunks)
+        table_rows, indices, values = self.table_rows.place(batch.chunks, bs)
         (input_ids, positions_d, slot_block_ids, slot_offsets, starts_d, lens_d, ctx_d,
-         table_d, rows_d, fill_rows_d, sources_d) = self._inputs.send(
+         table_rows_d, indices_d, values_d, rows_d, fill_rows_d, sources_d) = self._inputs.send(
             [np.concatenate(ids) if ids else pos, pos,
              np.concatenate(slot_blocks) if slot_blocks else pos, pos % bs,
              np.asarray(starts, np.int32), np.asarray(lens, np.int32),
-             np.asarray(ctxs, np.int32), table, np.asarray(sample_rows, np.int32),
-             np.asarray(fill_rows, np.int32), np.asarray(sources, np.int32)])
+             np.asarray(ctxs, np.int32), np.asarray(table_rows, np.int32),
+             np.asarray(indices, np.int32), np.asarray(values, np.int32),
+             np.asarray(sample_rows, np.int32), np.asarray(fill_rows, np.int32),
+             np.asarray(sources, np.int32)])
+        if indices:
+            self.table_rows.table.view(-1)[indices_d.long()] = values_d
+        cols = cdiv(max(ctxs, default=1), bs)  # the columns any request reads
+        table_d = self.table_rows.table[:, :cols].index_select(0, table_rows_d)
         self.fill_placeholders(input_ids, fill_rows_d, sources_d)
         paged = PagedInputs(table_d, starts_d, lens_d, ctx_d, max(lens, default=1),
                             (starts, lens, ctxs))

@@ -1,14 +1,15 @@
-"""Block-table rows kept from step to step (the decode graphs' persistent batch layout).
+"""Block-table rows kept from step to step (the persistent part of the batch layout).
 
-A request that decodes keeps one row of a device table while it runs. A step writes only
-the block ids its requests added since the last (one every block_size tokens), and a whole
+A request keeps one row of a device table while it runs. A step writes only the block ids
+its requests added since the last (a decode adds one every block_size tokens), and a whole
 row when a request joins or its block list was replaced (a preemption or a release gives
 a request a new list; a list is only ever appended to while held: ScheduledChunk). The
-graph's own table [size, width] is then one device gather of the step's rows, so a decode
-step's host work no longer grows with its requests' context lengths.
+step's table [requests, columns] is then one device gather of its rows (the runner's, or
+a decode graph's first op), so a step's host work no longer grows with its requests'
+context lengths.
 
     rows    | r0: a's blocks | r1: (free) | r2: b's blocks | ...     `table`, on the device
-    step    a at row 0, b at row 2  ->  graph table = table[[0, 2]]
+    step    a at row 0, b at row 2  ->  the step's table = table[[0, 2]]
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class TableRows:
 
     def place(self, chunks, block_size: int) -> tuple[list[int], list[int], list[int]]:
         """(each chunk's row, in order; the flat `table` indices to write and their block
-        ids) for a decode batch of at most num_rows chunks: what a row lacks up to the block
-        holding the chunk's position."""
+        ids) for a batch of at most num_rows chunks: what a row lacks up to the block
+        holding the chunk's last position."""
         if len(self._rows) + len(chunks) > self.num_rows:  # rows of requests not here go
             here = {c.request.request_id for c in chunks}
             for rid in [r for r in self._rows if r not in here]:
@@ -48,7 +49,8 @@ class TableRows:
                 row = self._rows[c.request.request_id] = _Row(self._free.pop(), c.block_ids)
             elif row.blocks is not c.block_ids:  # a new list: the old entries are stale
                 row.blocks, row.written = c.block_ids, 0
-            need = c.start // block_size + 1
+            need = (c.start + c.num_tokens - 1) // block_size + 1
+            assert need <= self.width, f"{c.request.request_id}: {need} blocks > {self.width}"
             if need > row.written:
                 base = row.index * self.width
                 indices.extend(range(base + row.written, base + need))
@@ -63,8 +65,10 @@ class TableRows:
         if row is not None:
             self._free.append(row.index)
 
-    def check_integrity(self) -> None:
-        """Every held row's written entries equal its request's blocks (reads the device)."""
+    def check_integrity(self, held_by: set[str] | None = None) -> None:
+        """Every held row's written entries equal its request's blocks (reads the device);
+        only requests in `held_by` (if given) hold rows."""
+        assert held_by is None or set(self._rows) <= held_by, set(self._rows) - held_by
         table = self.table.cpu()
         for rid, row in self._rows.items():
             assert table[row.index, :row.written].tolist() == row.blocks[:row.written], rid
