@@ -224,6 +224,16 @@ def test_whole_loads_when_asked(tiny_model, prompt, baseline, pool):
     assert out.pool_hit.decision == "load"
 
 
+def test_the_bring_up_probe_fits_a_short_context(tiny_model, prompt, baseline, pool):
+    """A context shorter than the prefill probe (128 tokens on CPU): the probe is cut to it
+    (it takes a block-table row, as a request does) and the pool still serves."""
+    with LLM(tiny_model, kv_pool=str(pool), max_model_len=64, **KW) as llm:
+        assert llm.engine.runner.table_width * 4 == 64
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+    assert out.token_ids == baseline and out.num_connector_tokens > 0
+
+
 @pytest.mark.parametrize("parallel", [dict(dp_size=2), dict(tp_size=2)])
 def test_under_adp_and_tp_every_hit_is_served_once(tiny_model, prompt, baseline, tmp_path,
                                                    parallel):

@@ -42,9 +42,15 @@ def test_fused_experts_match_one_by_one(num_tokens, rank, size, dtype):
     weights = torch.rand(num_tokens, 3, generator=g).to(DEVICE, dtype)
     out = fm.fused_experts(x, moe.gate_up, moe.down, weights, chosen, moe.first)
     ref = moe.experts_one_by_one(x, weights, chosen)
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(out, ref, **tol)
     assert out.shape == (num_tokens, CFG.hidden_size) and (num_tokens == 0 or ref.abs().sum() > 0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        return
+    # half precision: the kernel accumulates in float32 and rounds once, the loop rounds at
+    # each op; against the float64 answer on the same weights it is as close as the loop
+    exact = moe.double().experts_one_by_one(x.double(), weights.double(), chosen)
+    err = [float((y.double() - exact).norm() / exact.norm()) for y in (out, ref)]
+    assert err[0] < 1e-2 and err[0] <= 1.5 * err[1], err
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

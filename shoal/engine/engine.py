@@ -138,8 +138,9 @@ class Engine:
         only: the forward of a rank in a group would wait for its peers."""
         if self.peers.topology.world_size > 1:
             return
+        # (no longer than a request can be: the probe takes a row of the block table too)
         large = min(self.config.max_num_tokens, PROBE_TOKENS_GPU if self.kv_cache.tensor.is_cuda
-                    else PROBE_TOKENS_CPU)
+                    else PROBE_TOKENS_CPU, self.runner.table_width * self.runner.block_size)
         small = max(large // 4, 1)
         self.runner.time_prefill(small)
         self.transfers.planner.calibrate_prefill((small, self.runner.time_prefill(small)),

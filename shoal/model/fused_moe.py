@@ -29,7 +29,8 @@ from shoal.model.paged_attention import HAS_TRITON, _precision
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of both launches, by the mean rows an
 # expert gets (up to the key); scripts/moe_tune.py sweeps them on a GPU
-TILES = {16: (16, 64, 64, 4, 4), 64: (64, 64, 64, 4, 3), None: (128, 128, 64, 8, 3)}
+# (an H100's best for 16 and 64: docs/benchmarks.md; 128 for prefill chunks is untuned)
+TILES = {16: (16, 64, 128, 4, 3), 64: (64, 64, 64, 4, 3), None: (128, 128, 64, 8, 3)}
 
 
 def pick_tiles(num_assignments: int, num_experts: int) -> tuple[int, int, int, int, int]:
