@@ -20,8 +20,9 @@ CASES = [(16, 20, torch.float32), (32, 16, torch.float32), (16, 4, torch.float32
     [(16, 16, torch.bfloat16), (16, 128, torch.bfloat16)] if DEVICE == "cuda" else [])
 
 
+@pytest.mark.parametrize("splits", [1, 3, None])  # None: as many as the batch calls for
 @pytest.mark.parametrize("block_size, num_heads, dtype", CASES)
-def test_mla_decode_matches_the_absorbed_reference(block_size, num_heads, dtype):
+def test_mla_decode_matches_the_absorbed_reference(block_size, num_heads, dtype, splits):
     g = torch.Generator().manual_seed(block_size + num_heads)
     latent, rot, num_blocks = 32, 8, 24
     layers = torch.randn(num_blocks, 3, 1, block_size, 1, latent + rot, generator=g)
@@ -31,7 +32,7 @@ def test_mla_decode_matches_the_absorbed_reference(block_size, num_heads, dtype)
     q = torch.randn(len(lengths), num_heads, latent + rot, generator=g).to(DEVICE, dtype)
     scale = 0.37
     out = pm.mla_decode(q, cache, table, torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
-                        latent, scale)
+                        latent, scale, splits=splits)
     live = lengths[:-1]
     ref = decode_attention(q[:-1].double(), table[:-1].long(), live, cache.double(),
                            cache[..., :latent].double(), scale)
