@@ -2,6 +2,9 @@
 # One call's work on the lent GPU (see docs/benchmarks.md): the CUDA tests, then benchmarks.
 #   scripts/gpu_round.sh tests            CUDA tests + kernel tests (compiled Triton)
 #   scripts/gpu_round.sh bench SHAPE ...  shoal bench throughput for random:<shape>s
+#   scripts/gpu_round.sh moe              issue 30's figures: the fused MoE's tiles, the MoE
+#                                         and MLA decode step at batch 64 and 256, and
+#                                         DeepSeek-V2-Lite's 8k TTFT from the pool
 # Results go to $OUT (or ./gpu-out); the device machine's python3 has torch, Triton and
 # transformers; Shoal's pure-Python needs beyond those travel in .whl if missing.
 set -uo pipefail
@@ -15,6 +18,12 @@ if [ "$what" = tests ]; then
     tests/test_cuda.py tests/test_host_tier.py tests/test_gpu_xxh3.py tests/test_fused_ops.py \
     tests/test_paged_mla.py tests/test_fused_moe.py -k "not smollm2" "$@" 2>&1 \
     | tee "$OUT/tests.log" | tail -60
+elif [ "$what" = moe ]; then
+  timeout 120 python3 scripts/moe_tune.py 64 256 4096 2>&1 | tee "$OUT/moe_tune.txt" | tail -30
+  bash "$0" bench qwen3-30b-a3b@8:64:256:32 deepseek-v2-lite@9:64:256:32 \
+    qwen3-30b-a3b@8:256:256:32 deepseek-v2-lite@9:256:256:32
+  python3 -m shoal bench ttft --model random:deepseek-v2-lite@9 --device cuda \
+    --prefix-tokens 8192 --rounds 3 2>&1 | tee -a "$OUT/ttft.log" | tail -12
 else
   for spec in "$@"; do  # shape:num_prompts:prompt_len:max_tokens
     IFS=: read -r shape n len toks <<<"$spec"
