@@ -27,8 +27,7 @@ class _Chunk:  # the fields of a ScheduledChunk that TableRows reads
 def _step(rows: TableRows, chunks) -> tuple[list[int], int]:
     """Place a decode batch and apply its writes as the graphs do; (its rows, entries written)."""
     placed, indices, values = rows.place(chunks, BS)
-    rows.table.view(-1)[torch.tensor(indices, dtype=torch.long)] = torch.tensor(
-        values, dtype=torch.int32)
+    rows.write(torch.tensor(indices, dtype=torch.int32), torch.tensor(values, dtype=torch.int32))
     for row, c in zip(placed, chunks):  # what the step gathers: the chunk's blocks so far
         need = (c.start + c.num_tokens - 1) // BS + 1
         assert rows.table[row, :need].tolist() == c.block_ids[:need]

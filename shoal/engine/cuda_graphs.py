@@ -99,7 +99,6 @@ class _Graph:
                                                            for i in range(self.NUM_VECTORS))
         self.slot_blocks.fill_(scratch_block)
         self.table = torch.zeros(size, width, dtype=torch.int32, device=device)  # gathered
-        self.staging = torch.zeros(2 * size * width, dtype=torch.int32, device=device)
         self.scratch_block = scratch_block  # padded rows write it: no request owns it
         rows = torch.arange(size, dtype=torch.int32, device=device)
         self.meta = AttentionMetadata(
@@ -112,11 +111,11 @@ class _Graph:
         return self.NUM_VECTORS * self.size + 2 * self.size * width
 
     def fill(self, chunks, pinned: torch.Tensor, block_size: int, placeholders,
-             table_rows: TableRows) -> int:
+             table_rows: TableRows, staging: torch.Tensor) -> int:
         """Write a decode batch (len(chunks) <= size) through `pinned` (a host buffer of
         host_size) into the graph's input buffers, and the blocks its requests added into
-        `table_rows`. Returns the number of placeholder rows (`fill_rows[:k]`, to be filled
-        from `sources[:k]` on the device)."""
+        `table_rows` (through `staging`, a device buffer as large). Returns the number of
+        placeholder rows (`fill_rows[:k]`, to be filled from `sources[:k]` on the device)."""
         n, size, bs = len(chunks), self.size, block_size
         host = pinned.numpy()
         ids, pos, blocks, offsets, lens, fill_rows, sources, rows = (
@@ -140,8 +139,8 @@ class _Graph:
         host[vectors:vectors + m], host[vectors + m:vectors + 2 * m] = indices, values
         self.buffer.copy_(pinned[:vectors], non_blocking=True)
         if m:
-            self.staging[:2 * m].copy_(pinned[vectors:vectors + 2 * m], non_blocking=True)
-            table_rows.table.view(-1)[self.staging[:m].long()] = self.staging[m:2 * m]
+            staging[:2 * m].copy_(pinned[vectors:vectors + 2 * m], non_blocking=True)
+            table_rows.write(staging[:m], staging[m:2 * m])
         return k
 
 
@@ -169,11 +168,13 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def _build_inputs(self, device: torch.device) -> None:
-        """Each size's input buffers and the host buffers."""
+        """Each size's input buffers, the host buffers and the device staging (shared)."""
         sizes = [s for s in BATCH_LADDER if s < self.max_size] + [self.max_size]
         self.graphs = {s: _Graph(s, self.width, device, self.kv_cache.scratch_block)
                        for s in sizes}
-        self.host = HostBuffers(self.graphs[self.max_size].host_size(self.width), device)
+        size = self.graphs[self.max_size].host_size(self.width)
+        self.host = HostBuffers(size, device)
+        self.staging = torch.zeros(size, dtype=torch.int32, device=device)
         self.num_replays = 0
 
     def _forward(self, g: _Graph) -> torch.Tensor:
@@ -205,7 +206,7 @@ class DecodeGraphs:
         n = len(batch.chunks)
         g = self.graphs[next(s for s in sorted(self.graphs) if s >= n)]
         k = g.fill(batch.chunks, self.host.take(), self.block_size, runner.placeholders,
-                   self.table_rows)
+                   self.table_rows, self.staging)
         self.host.sent()
         runner.fill_placeholders(g.ids, g.fill_rows[:k], g.sources[:k])
         return g

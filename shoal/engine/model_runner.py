@@ -233,7 +233,7 @@ class ModelRunner:
              np.asarray(sample_rows, np.int32), np.asarray(fill_rows, np.int32),
              np.asarray(sources, np.int32)])
         if indices:
-            self.table_rows.table.view(-1)[indices_d.long()] = values_d
+            self.table_rows.write(indices_d, values_d)
         cols = cdiv(max(ctxs, default=1), bs)  # the columns any request reads
         table_d = self.table_rows.table[:, :cols].index_select(0, table_rows_d)
         self.fill_placeholders(input_ids, fill_rows_d, sources_d)

@@ -59,6 +59,10 @@ class TableRows:
             rows.append(row.index)
         return rows, indices, values
 
+    def write(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Apply `place`'s writes, sent to the device (int32 flat indices, block ids)."""
+        self.table.view(-1)[indices.long()] = values
+
     def release(self, request_id: str) -> None:
         """The request's row is free again (it finished, or left the decode batch for good)."""
         row = self._rows.pop(request_id, None)
