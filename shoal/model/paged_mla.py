@@ -115,11 +115,13 @@ MAX_SPLITS = 8
 
 
 def num_splits(batch: int, head_tiles: int, device: torch.device) -> int:
-    """Context slices per request: enough programs for two on every SM (one on a CPU's
-    interpreter: 4 "SMs"), at most MAX_SPLITS. Fixed for a batch size (graph-safe)."""
+    """Context slices per request: about enough programs for two on every SM (a CPU's
+    interpreter counts as 4 SMs), a power of two (few kernel variants), at most MAX_SPLITS.
+    Fixed for a batch size (graph-safe)."""
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" else 4)
-    return max(1, min(MAX_SPLITS, 2 * sms // max(batch * head_tiles, 1)))
+    want = max(1, min(MAX_SPLITS, 2 * sms // max(batch * head_tiles, 1)))
+    return 1 << (want.bit_length() - 1)
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
