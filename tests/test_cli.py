@@ -347,6 +347,19 @@ def test_bench_adp_against_tp_on_latent_attention(tiny_moe_models):
     assert result["kv_capacity_dp_over_base"] == 2.0 and tp["tokens_per_s"] > 0
 
 
+def test_bench_throughput_against_transformers(tiny_models):
+    """`shoal bench throughput` (`make bench`) on random-token prompts: both engines produce
+    every token, the long prompt's second run is a local prefix hit."""
+    r = shoal("bench", "throughput", "--model", str(tiny_models["gqa_tied"]), "--num-prompts",
+              "3", "--max-tokens", "5", "--prompt-len", "20", "--rounds", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "throughput" and result["rounds"] == 2
+    assert result["shoal_tokens_per_s"] > 0 and result["transformers_tokens_per_s"] > 0
+    # the long prompt fits the tiny model's 1024-token context
+    assert result["prefix_hit_tokens"] > 0 and result["long_prompt_tokens"] == 1023
+
+
 def test_bench_adp_against_one_rank(tiny_models):
     r = shoal("bench", "adp", "--model", str(tiny_models["gqa_tied"]), "--num-prompts", "4",
               "--max-tokens", "6", "--kv-cache-gb", "0.01")
