@@ -14,7 +14,7 @@ from shoal import LLM, SamplingParams
 from shoal.connectors import ConnectorConfig
 from shoal.connectors.fs import format as pf
 from shoal.kv.block_keys import extend_block_keys, request_seed
-from shoal.model.attention_backend import TorchBackend, TritonBackend
+from shoal.model.attention_backend import TorchBackend
 from shoal.model.config import ModelConfig
 from shoal.model.llama import LlamaModel
 from shoal.model.mla import MLAttention

@@ -12,10 +12,10 @@ the head's rows of `kv_b_proj`. Two ways to attend, equal in exact arithmetic:
   themselves; W_uv then maps the result out. The latent is never expanded per head.
 
 Under TP the heads (q, kv_b and o rows/columns) are split and the latent is whole on every
-rank; under ADP all of it is whole. On a CUDA device the absorbed decode runs the Triton
-kernel of shoal/model/paged_mla.py; prefill chunks and the CPU use the torch backend's
-gathers. Under the Triton backend a step where every row decodes reads only the device
-tables (no host list), so it runs inside the decode CUDA graphs.
+rank; under ADP all of it is whole. Under the Triton backend (a CUDA device) the absorbed
+decode runs the kernel of shoal/model/paged_mla.py, and a step where every row decodes
+reads only the device tables (no host list), so it runs inside the decode CUDA graphs;
+prefill chunks, and decode under the torch backend, use gathers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from shoal.model.attention_backend import (attend_per_request, causal_attention,
                                            decode_attention, gather_blocks)
 from shoal.model.config import ModelConfig
 from shoal.model.layers import RMSNorm
-from shoal.model.paged_mla import HAS_TRITON, mla_decode
+from shoal.model.paged_mla import mla_decode
 from shoal.model.rope import apply_rope, softmax_scale
 from shoal.util import to_device
 
@@ -100,7 +100,7 @@ class MLAttention(nn.Module):
         w = self._kv_b()
         q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w[:, :self.nope])
         q = torch.cat((q_latent, q_rot), dim=-1)  # [B, H, L + R]
-        if HAS_TRITON and (q.is_cuda or self.backend.paged):  # reads through the table
+        if self.backend.paged:  # the kernel reads the latents through the table
             lens = ctxs if torch.is_tensor(ctxs) else to_device(ctxs, q.device, torch.int32)
             out_latent = mla_decode(q, cache, table, lens, self.latent, self.scale)
         else:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.model.config import DEEPSEEK, ModelConfig
-from shoal.model.fused_moe import HAS_TRITON, fused_experts
+from shoal.model.fused_moe import fused_experts
 from shoal.model.layers import MLP
 
 # family -> (the HF module holding the router and experts, expert weight names: gate, up, down)
@@ -94,7 +94,7 @@ class SparseMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share of the layer's output for the rows of `x`."""
         weights, chosen = self.route(x)
-        if HAS_TRITON and (x.is_cuda or self.backend.paged):  # two grouped-GEMM launches
+        if self.backend.paged:  # the Triton backend: two grouped-GEMM launches
             out = fused_experts(x, self.gate_up, self.down, weights, chosen, self.first)
         else:
             out = self.experts_one_by_one(x, weights, chosen)

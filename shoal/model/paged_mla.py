@@ -19,6 +19,8 @@ them (flash-decoding). `MLAttention.absorbed` (gathers + SDPA) is its reference 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shoal.model.paged_attention import HAS_TRITON, _next_pow2, _precision
@@ -114,12 +116,17 @@ if HAS_TRITON:
 MAX_SPLITS = 8
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The device's SMs (a CPU's interpreter counts as 4)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 4
+
+
 def num_splits(batch: int, head_tiles: int, device: torch.device) -> int:
-    """Context slices per request: about enough programs for two on every SM (a CPU's
-    interpreter counts as 4 SMs), a power of two (few kernel variants), at most MAX_SPLITS.
-    Fixed for a batch size (graph-safe)."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 4)
+    """Context slices per request: about enough programs for two on every SM, a power of
+    two (few kernel variants), at most MAX_SPLITS. Fixed for a batch size (graph-safe)."""
+    sms = _num_sms(device)
     want = max(1, min(MAX_SPLITS, 2 * sms // max(batch * head_tiles, 1)))
     return 1 << (want.bit_length() - 1)
 
