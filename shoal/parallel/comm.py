@@ -8,6 +8,7 @@ torchrun). Every collective the engine issues goes through `Comm`, which counts 
 from __future__ import annotations
 
 import datetime
+import gc
 import time
 
 import torch
@@ -111,5 +112,12 @@ class Comm:
         return out
 
     def shutdown(self) -> None:
+        """Leave the group and end its threads while Python still runs: a gloo worker that
+        drops a finished collective's tensors after the interpreter began finalizing can
+        take the GIL no more, and aborts the process ("terminate called without an active
+        exception"). The groups' last references go here, so their destructors (which wait
+        for the workers, the GIL released) run now."""
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        self._control = self._transfers = None
+        gc.collect()
