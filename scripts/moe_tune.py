@@ -6,7 +6,8 @@ For each real expert shape and batch (decode batches of 64 and 256 tokens, a pre
 of 4096), every (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in the sweep is captured in a CUDA graph (as the decode step runs it) and replayed; the time
 is set against the floor: the weights of the experts the batch routes to, read once at the
 bandwidth of a large device copy (and, for the chunk, its FLOPs at 750 TFLOP/s). Prints
-the best configs per case and the one `pick_tiles` chooses.
+the best configs per case and the one `pick_tiles` chooses, and the time of the routing
+layout alone (the launches before the two GEMMs).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-from shoal.model.fused_moe import TILES, fused_experts, pick_tiles
+from shoal.model.fused_moe import TILES, _sort_by_expert, fused_experts, pick_tiles
 
 SHAPES = {  # name: (hidden, moe intermediate, experts, top-k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -86,7 +87,9 @@ def main(batches: dict[int, tuple[int, ...]]) -> None:
                     continue
                 rows.append((ms, tiles))
             rows.sort()
-            print(f"{name} T={tokens}: {touched}/{experts} experts, floor {floor_ms:.3f} ms")
+            layout_ms = _replay_ms(lambda: _sort_by_expert(chosen, 0, experts, chosen_tiles[0]))
+            print(f"{name} T={tokens}: {touched}/{experts} experts, floor {floor_ms:.3f} ms; "
+                  f"the rows' layout alone {layout_ms * 1e3:.1f} us")
             for ms, tiles in rows[:5] + [r for r in rows if r[1] == chosen_tiles]:
                 print(f"  {str(tiles):<20} {ms:7.3f} ms  x{ms / floor_ms:5.2f} floor")
 

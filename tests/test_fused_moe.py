@@ -53,15 +53,47 @@ def test_fused_experts_match_one_by_one(num_tokens, rank, size, dtype):
     assert err[0] < 1e-2 and err[0] <= 1.5 * err[1], err
 
 
+def sorted_by_expert(chosen: torch.Tensor, first: int, num_experts: int, block_m: int):
+    """The layout _sort_by_expert must give, in plain Python: each expert's assignments in
+    order, its run padded with -1 to whole tiles; unused tiles last (expert E)."""
+    flat = chosen.flatten().tolist()
+    rows, tile_expert = [], []
+    for e in range(num_experts):
+        run = [a for a, x in enumerate(flat) if x - first == e]
+        num_tiles = -(-len(run) // block_m)
+        rows += run + [-1] * (num_tiles * block_m - len(run))
+        tile_expert += [e] * num_tiles
+    total_tiles = -(-len(flat) // block_m) + num_experts
+    rows += [-1] * (total_tiles * block_m - len(rows))
+    return rows, tile_expert + [num_experts] * (total_tiles - len(tile_expert))
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_sorted_rows_cover_each_assignment_once(block_m):
     chosen = torch.tensor([[0, 3], [3, 1], [7, 3], [3, 0]])  # rank 0 of 2 holds experts 0-3
-    row_ids, tile_expert = fm._sort_by_expert(chosen, first=0, num_experts=4, block_m=block_m)
+    row_ids, tile_expert = fm._sort_by_expert(chosen.to(DEVICE), first=0, num_experts=4,
+                                              block_m=block_m)
     used = row_ids[row_ids >= 0].tolist()
     assert sorted(used) == [0, 1, 2, 3, 5, 6, 7]  # every assignment to experts 0-3; 4 is 7's
-    tiles = row_ids.view(-1, block_m)
+    tiles = row_ids.view(-1, block_m).cpu()
     for t, e in enumerate(tile_expert.tolist()):
         if e < 4:
             assert all(int(chosen.flatten()[a]) == e for a in tiles[t].tolist() if a >= 0)
         else:
             assert (tiles[t] < 0).all()
+
+
+# one chunk of assignments and several (a program places up to 128; 64 of 256 experts), a rank
+# that holds the last experts of 64, experts no token picks
+@pytest.mark.parametrize("num_tokens, k, num_experts, first, block_m",
+                         [(5, 2, 8, 0, 16), (300, 3, 8, 4, 16), (70, 6, 64, 0, 16),
+                          (130, 8, 32, 32, 64), (40, 8, 256, 0, 16)])
+def test_sorted_rows_equal_the_plain_layout(num_tokens, k, num_experts, first, block_m):
+    g = torch.Generator().manual_seed(num_tokens)
+    total = first + num_experts + (4 if first else 0)  # other ranks' experts after ours too
+    chosen = torch.argsort(torch.rand(num_tokens, total, generator=g), dim=1)[:, :k]
+    chosen[chosen == first + 1] = first + 2  # expert first+1 is never picked
+    row_ids, tile_expert = fm._sort_by_expert(chosen.to(DEVICE), first, num_experts, block_m)
+    rows, experts = sorted_by_expert(chosen, first, num_experts, block_m)
+    assert row_ids.tolist() == rows
+    assert tile_expert.tolist() == experts

@@ -14,9 +14,12 @@ where each tile re-reads its expert's weights):
     down      grid (tiles, hidden / BLOCK_N): inter times the expert's down weights, times
               the assignment's router weight, written to the assignment's row of `out`
 
-The number of tiles is bounded without looking at the routing (cdiv(assignments, BLOCK_M)
-+ experts), so the grid is fixed for a batch size and the launch is graph-capturable;
-tiles past the used ones exit at once. The k assignments of a token are summed at the end.
+The layout is built on the device in two small launches, with a running sum between them
+and no sort: `_count_kernel` (each program counts a chunk of assignments per expert) and
+`_place_kernel` (an assignment's row is its expert's first row plus the expert's
+assignments before it). The number of tiles is bounded without looking at the routing
+(cdiv(assignments, BLOCK_M) + experts), so the grids are fixed for a batch size and the
+launches are graph-capturable; tiles past the used ones exit at once. The k assignments of a token are summed at the end.
 Assignments routed to another rank's experts produce zero rows. `SparseMoE.partial`'s loop
 over experts is the reference in tests (on CPU through Triton's interpreter).
 """
@@ -103,31 +106,79 @@ if HAS_TRITON:
                      mask=valid[:, None] & (n[None, :] < HIDDEN))
 
 
+if HAS_TRITON:
+    @triton.jit
+    def _local_experts(chosen_ptr, first, num, CHUNK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                       E_PAD: tl.constexpr):
+        """This program's assignments, their expert on this rank (NUM_EXPERTS: another
+        rank's; -1: past the end) and their one-hot rows [CHUNK, E_PAD]."""
+        a = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        e = tl.load(chosen_ptr + a, mask=a < num, other=0).to(tl.int32) - first
+        local = tl.where((e >= 0) & (e < NUM_EXPERTS), e, NUM_EXPERTS)
+        local = tl.where(a < num, local, -1)
+        return a, local, local[:, None] == tl.arange(0, E_PAD)[None, :]
+
+    @triton.jit
+    def _count_kernel(chosen_ptr, counts_ptr, first, num, CHUNK: tl.constexpr,
+                      NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr):
+        """counts[chunk, e]: how many of a chunk's assignments go to expert e."""
+        _, _, onehot = _local_experts(chosen_ptr, first, num, CHUNK, NUM_EXPERTS, E_PAD)
+        tl.store(counts_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD),
+                 tl.sum(onehot.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _place_kernel(chosen_ptr, counts_ptr, ahead_ptr, row_ids_ptr, tile_expert_ptr, first,
+                      num, num_chunks, num_tiles, CHUNK: tl.constexpr,
+                      NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      TILE_BLOCK: tl.constexpr):
+        """Each assignment to its row: its expert's first row (runs padded to BLOCK_M), plus
+        the expert's assignments in earlier chunks, plus those earlier in this chunk. The
+        programs also share out tile_expert (the expert whose run a tile lies in)."""
+        chunk = tl.program_id(0)
+        experts = tl.arange(0, E_PAD)
+        ours = experts < NUM_EXPERTS
+        # ahead: counts summed over chunks up to and including each one
+        total = tl.load(ahead_ptr + (num_chunks - 1) * E_PAD + experts).to(tl.int32)
+        padded = tl.where(ours, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        padded_end = tl.cumsum(padded, 0)
+        before = (tl.load(ahead_ptr + chunk * E_PAD + experts).to(tl.int32)
+                  - tl.load(counts_ptr + chunk * E_PAD + experts))
+        a, local, onehot = _local_experts(chosen_ptr, first, num, CHUNK, NUM_EXPERTS, E_PAD)
+        base = tl.sum(tl.where(onehot, (padded_end - padded + before)[None, :], 0), axis=1)
+        within = tl.sum(tl.where(onehot, tl.cumsum(onehot.to(tl.int32), axis=0), 0), axis=1)
+        tl.store(row_ids_ptr + base + within - 1, a, mask=(local >= 0) & (local < NUM_EXPERTS))
+        for t0 in range(chunk * TILE_BLOCK, num_tiles, num_chunks * TILE_BLOCK):
+            t = t0 + tl.arange(0, TILE_BLOCK)
+            passed = (padded_end[None, :] <= (t * BLOCK_M)[:, None]) & ours[None, :]
+            tl.store(tile_expert_ptr + t, tl.sum(passed.to(tl.int32), axis=1), mask=t < num_tiles)
+
+
+# a program of the two routing launches holds [chunk, experts] one-hot rows: up to this many
+ALIGN_ELEMENTS = 16384
+
+
 def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int, block_m: int):
     """(row_ids [tiles * block_m], tile_expert [tiles]) of the assignments `chosen` [T, k]
-    to this rank's experts [first, first + num_experts), all on the device."""
-    local = chosen.flatten() - first
-    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    num = local.numel()
-    order = torch.argsort(local, stable=True)  # assignments by expert, others' last
-    # (not bincount: its size depends on the values, which a CUDA graph cannot wait for)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=chosen.device).scatter_add_(
-        0, local, torch.ones_like(local))[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    start_in_order = torch.cumsum(counts, 0) - counts  # an expert's first place in `order`
-    e = local[order]
-    mine = e < num_experts
-    e_safe = e.clamp(max=num_experts - 1)
-    slot = padded_end[e_safe] - padded[e_safe] + torch.arange(num, device=chosen.device) \
-        - start_in_order[e_safe]
-    # an upper bound whatever the routing: the used slots (at most num + E * (block_m - 1))
-    # never reach the last one, where other ranks' assignments are parked as -1
-    num_tiles = -(-num // block_m) + num_experts
-    row_ids = torch.full((num_tiles * block_m,), -1, dtype=torch.int64, device=chosen.device)
-    row_ids[torch.where(mine, slot, num_tiles * block_m - 1)] = torch.where(mine, order, -1)
-    tile_start = torch.arange(num_tiles, device=chosen.device) * block_m
-    tile_expert = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
+    to this rank's experts [first, first + num_experts), in four small launches (a fill,
+    the counts per chunk, their running sums, the placing), no host sync. Within an
+    expert's run, assignments keep their order."""
+    num = chosen.numel()
+    e_pad = triton.next_power_of_2(num_experts + 1)  # the last column: other ranks' experts
+    chunk = min(128, ALIGN_ELEMENTS // e_pad)
+    num_chunks = max(triton.cdiv(num, chunk), 1)
+    # an upper bound whatever the routing: the used rows (at most num + E * (block_m - 1))
+    num_tiles = triton.cdiv(num, block_m) + num_experts
+    row_ids = torch.full((num_tiles * block_m,), -1, dtype=torch.int32, device=chosen.device)
+    tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=chosen.device)
+    counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=chosen.device)
+    chosen = chosen.contiguous()
+    _count_kernel[(num_chunks,)](chosen, counts, first, num, CHUNK=chunk,
+                                 NUM_EXPERTS=num_experts, E_PAD=e_pad)
+    ahead = torch.cumsum(counts, 0)
+    _place_kernel[(num_chunks,)](chosen, counts, ahead, row_ids, tile_expert, first, num,
+                                 num_chunks, num_tiles, CHUNK=chunk,
+                                 NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
+                                 TILE_BLOCK=64)
     return row_ids, tile_expert
 
 
