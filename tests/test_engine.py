@@ -171,3 +171,20 @@ def test_use_after_shutdown_is_an_error(tiny_model):
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]])
+
+
+def test_bring_up_computes_nothing_on_the_meta_device(tiny_model):
+    # the model is laid out on the meta device, then given storage and loaded; an op run on
+    # meta tensors there (a random init, to_empty's empty_like, the rotary table) pulls in
+    # torch._dynamo and more: about 2 s of every rank process's start-up
+    import subprocess
+    import sys
+
+    code = ("import sys; from shoal import LLM\n"
+            "with LLM(sys.argv[1], block_size=4, num_kv_blocks=16) as llm:\n"
+            "    ids = llm.generate([[1, 2, 3]])[0].token_ids\n"
+            "print(len(ids), 'torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, tiny_model], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["16", "False"]

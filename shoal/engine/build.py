@@ -80,6 +80,21 @@ def freeze_what_was_built() -> None:
 atexit.register(gc.unfreeze)  # a no-op when nothing was frozen
 
 
+def _allocate(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Uninitialised storage on `device` for each parameter and buffer on the meta device
+    (the weights are loaded next). As Module.to_empty, without its empty_like, whose meta
+    implementation loads about half a second of torch's Python into every process."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return model
+
+
 def build_engine_parts(config: EngineConfig, peers: Peers,
                        on_stuck: Callable[[str], None] | None = None) -> EngineParts:
     device = torch.device(config.device)
@@ -91,7 +106,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
     with torch.device("meta"):
         model = LlamaModel(cfg, peers.shard, default_backend(device))
-    model = model.to_dtype(dtype).to_empty(device=device)  # storage allocated once, in its dtype
+    model = _allocate(model.to_dtype(dtype), device)  # storage allocated once, in its dtype
     model.tie_weights_if_needed()
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the dtype (as transformers)
     model.load_hf_state_dict(source.weights)

@@ -151,7 +151,10 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.shard = shard
         self.backend = backend or TorchBackend()  # one for every layer (attention_backend)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init (the weights are loaded): on the meta device it would import
+        # torch._dynamo, about 1.8 s of every process's first engine
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, self.backend)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -176,7 +179,7 @@ class LlamaModel(nn.Module):
                 module.backend = backend
 
     def tie_weights_if_needed(self) -> None:
-        """Share the embedding with the LM head (again after `to_empty`, which unties)."""
+        """Share the embedding with the LM head (again once storage is allocated, which unties)."""
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -25,9 +25,12 @@ from shoal.model.rope_scaling import RopeScaling, YarnScaling
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] of the model's rotary dimensions."""
+    """Inverse frequencies [head_dim/2] of the model's rotary dimensions (on the CPU, also
+    inside a `torch.device` context: an op on the meta device imports torch._dynamo, which
+    costs a process about 1.8 s)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (cfg.rope_theta ** (steps / dim))
     s = cfg.rope_scaling
     if isinstance(s, YarnScaling):
         return _yarn(inv_freq, cfg.rope_theta, dim, s)
@@ -59,7 +62,7 @@ def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, s: YarnScaling) -> tor
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-dimension ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: the original frequency (fast dimensions), 0: interpolated
     return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 

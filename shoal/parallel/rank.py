@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -261,6 +262,12 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
     finally:
         if comm is not None:
             comm.shutdown()
+    # Stopped, saves drained, the group left: the process ends here, without the interpreter's
+    # teardown of torch (about 0.8 s on a CPU machine, which every fleet shutdown waited for)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def exit_fatal(rank: int, message: str, outbox: PipeOutbox | None = None,
