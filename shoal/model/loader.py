@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from shoal.model.config import FAMILIES, ModelConfig
+from shoal.model.gguf_file import GGUFFile
 from shoal.model.rope_scaling import RopeScaling
 from shoal.model.presets import PRESETS, cache_dir, fetch_preset
 
@@ -134,17 +135,14 @@ def load_model_config(model: str) -> ModelConfig:
     """The architecture alone (no weights read): for validating a fleet before spawning it."""
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
-        return _gguf_config(GGUFReader(str(path)), path)
+        return _gguf_config(GGUFFile(path), path)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     raise ValueError(f"model path {str(path)!r} is not a .gguf file or a directory with config.json")
 
 
 def _load_gguf(path: Path) -> ModelSource:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(path)
     config = _gguf_config(reader, path)
     # llama.cpp interleaves the RoPE halves of q/k rows only in its Llama converter; Qwen
     # models use its NEOX RoPE, which keeps HF's layout.
@@ -154,7 +152,7 @@ def _load_gguf(path: Path) -> ModelSource:
         name = t.name
         if name == "rope_freqs.weight":
             continue  # read into config.rope_scaling
-        w = _dequantize(t)
+        w = reader.dequantize(t)
         if is_permuted and name.endswith("attn_q.weight"):
             w = _unpermute(w, config.num_heads)
         elif is_permuted and name.endswith("attn_k.weight"):
@@ -163,18 +161,9 @@ def _load_gguf(path: Path) -> ModelSource:
     return ModelSource(config, weights, file_checksum([path]), path.parent, path.name)
 
 
-def _dequantize(t) -> np.ndarray:
-    """A GGUF tensor as float32 in HF's shape (GGUF lists dims fastest-first)."""
-    from gguf.quants import dequantize
-
-    w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-    return w.reshape([int(d) for d in reversed(t.shape)])
-
-
-def _gguf_config(reader, path: Path) -> ModelConfig:
+def _gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     def field(name: str, default=None):
-        f = reader.fields.get(name)
-        return default if f is None else f.contents()
+        return reader.fields.get(name, default)
 
     arch = field("general.architecture")
     if arch not in GGUF_FAMILIES:
@@ -197,7 +186,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     rope_theta = float(field(f"{arch}.rope.freq_base", 10000.0))
     scaling = None
     if "rope_freqs.weight" in tensors:  # llama3 scaling, baked in by llama.cpp
-        factors = _dequantize(tensors["rope_freqs.weight"]).reshape(-1).tolist()
+        factors = reader.dequantize(tensors["rope_freqs.weight"]).reshape(-1).tolist()
         try:
             scaling = RopeScaling.from_freq_factors(factors, rope_theta, head_dim)
         except ValueError as e:
@@ -206,7 +195,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     window = field(f"{arch}.attention.sliding_window")  # see hf_sliding_window
     eos = field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        vocab_size=tensors["token_embd.weight"].shape[1].item(),
+        vocab_size=tensors["token_embd.weight"].shape[1],
         hidden_size=hidden,
         intermediate_size=field(f"{arch}.feed_forward_length"),
         num_layers=field(f"{arch}.block_count"),
