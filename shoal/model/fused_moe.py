@@ -19,9 +19,10 @@ and no sort: `_count_kernel` (each program counts a chunk of assignments per exp
 `_place_kernel` (an assignment's row is its expert's first row plus the expert's
 assignments before it). The number of tiles is bounded without looking at the routing
 (cdiv(assignments, BLOCK_M) + experts), so the grids are fixed for a batch size and the
-launches are graph-capturable; tiles past the used ones exit at once. The k assignments of a token are summed at the end.
-Assignments routed to another rank's experts produce zero rows. `SparseMoE.partial`'s loop
-over experts is the reference in tests (on CPU through Triton's interpreter).
+launches are graph-capturable; tiles past the used ones exit at once. The k assignments
+of a token are summed at the end. Assignments routed to another rank's experts produce
+zero rows. `SparseMoE.partial`'s loop over experts is the reference in tests (on CPU
+through Triton's interpreter).
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def _yarn(inv_freq: torch.Tensor, theta: float, dim: int, s: YarnScaling) -> tor
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-dimension ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    dims = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: the original frequency (fast dimensions), 0: interpolated
     return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 
