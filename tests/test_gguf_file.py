@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from shoal.model.gguf_file import GGUFFile
 
@@ -41,9 +42,10 @@ def small_gguf(tmp_path):
     g = np.random.default_rng(0)
     w.add_tensor("a.weight", g.standard_normal((3, 64)).astype(np.float32))
     w.add_tensor("b.weight", g.standard_normal((2, 32)).astype(np.float16))
-    q8 = g.standard_normal((4, 64)).astype(np.float32)
-    w.add_tensor("c.weight", quantize(q8, GGMLQuantizationType.Q8_0),
-                 raw_dtype=GGMLQuantizationType.Q8_0)
+    for name, kind in [("c", "Q8_0"), ("d", "Q4_0"), ("e", "Q4_1"), ("f", "BF16")]:
+        kind = GGMLQuantizationType[kind]  # BF16: through the gguf package's own path
+        x = g.standard_normal((4, 64)).astype(np.float32)
+        w.add_tensor(f"{name}.weight", quantize(x, kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -51,29 +53,30 @@ def small_gguf(tmp_path):
     return path
 
 
+def dequantized_alike(f: GGUFFile, tensors) -> None:
+    """Each tensor's floats equal the gguf package's, bit for bit, in HF's shape."""
+    for t in tensors:
+        expected = dequantize(np.array(f.tensor_bytes(t)), GGMLQuantizationType(t.ggml_type))
+        got = f.dequantize(t)
+        assert got.dtype == torch.float32 and list(got.shape) == list(reversed(t.shape))
+        assert np.array_equal(got.numpy().ravel(), expected.astype(np.float32).ravel()), t.name
+
+
 def test_header_and_tensors_equal_the_reference_reader(small_gguf):
     f = same_as_the_reference_reader(small_gguf)
     assert f.fields["general.name"] == "ünïcode name"
     assert f.fields["tokenizer.ggml.tokens"][3] == "ab" * 40
-    a, b, c = (f.dequantize(t) for t in f.tensors)
-    assert a.shape == (3, 64) and b.shape == (2, 32) and c.shape == (4, 64)
-    assert a.dtype == b.dtype == c.dtype == np.float32
-    ref = GGUFReader(str(small_gguf))
-    assert np.array_equal(a, np.asarray(ref.tensors[0].data))
-    assert np.array_equal(b, np.asarray(ref.tensors[1].data).astype(np.float32))
+    kinds = [GGMLQuantizationType(t.ggml_type).name for t in f.tensors]
+    assert kinds == ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "BF16"]
+    dequantized_alike(f, f.tensors)
 
 
 @pytest.mark.slow
 def test_smollm2_equals_the_reference_reader(smollm2_path):
-    from gguf.quants import dequantize
-
     f = same_as_the_reference_reader(smollm2_path)
-    ref = {t.name: t for t in GGUFReader(str(smollm2_path)).tensors}
-    for t in f.tensors[:12]:  # every type the file has (Q4_1, Q8_0, F32) in its first tensors
-        r = ref[t.name]
-        expected = dequantize(r.data, r.tensor_type).reshape([int(d) for d in reversed(r.shape)])
-        assert np.array_equal(f.dequantize(t), expected), t.name
-    assert {t.ggml_type for t in f.tensors[:12]} == {t.ggml_type for t in f.tensors}
+    first = f.tensors[:12]  # every type the file has (Q4_1, Q8_0, F32) is among them
+    assert {t.ggml_type for t in first} == {t.ggml_type for t in f.tensors}
+    dequantized_alike(f, first)
 
 
 @pytest.mark.parametrize("cut", [0, 3, 10, 30, 200, -1])

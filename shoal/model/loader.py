@@ -7,7 +7,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from shoal.model.config import FAMILIES, ModelConfig
@@ -124,7 +123,7 @@ _GGUF_NAMES = {  # GGUF tensor suffix -> HF Llama name suffix
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (it interleaves the two RoPE halves per head)."""
     rows = w.shape[0]
     return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
@@ -157,7 +156,7 @@ def _load_gguf(path: Path) -> ModelSource:
             w = _unpermute(w, config.num_heads)
         elif is_permuted and name.endswith("attn_k.weight"):
             w = _unpermute(w, config.num_kv_heads)
-        weights[_hf_name(name)] = torch.from_numpy(np.require(w, requirements=['C', 'W']))
+        weights[_hf_name(name)] = w.contiguous()
     return ModelSource(config, weights, file_checksum([path]), path.parent, path.name)
 
 
