@@ -90,6 +90,7 @@ def test_a_cut_file_is_a_clear_error(small_gguf, tmp_path, cut):
 
 @pytest.mark.parametrize("patch, needle", [((0, b"GGUX"), "no GGUF magic"),
                                            ((4, (1).to_bytes(4, "little")), "version 1"),
+                                           ((4, (3).to_bytes(4, "big")), "big-endian"),
                                            ((16, (2 ** 62).to_bytes(8, "little")), "corrupt")])
 def test_a_corrupt_header_is_a_clear_error(small_gguf, tmp_path, patch, needle):
     data = bytearray(small_gguf.read_bytes())

@@ -165,7 +165,7 @@ def _sort_by_expert(chosen: torch.Tensor, first: int, num_experts: int, block_m:
     expert's run, assignments keep their order."""
     num = chosen.numel()
     e_pad = triton.next_power_of_2(num_experts + 1)  # the last column: other ranks' experts
-    chunk = min(128, ALIGN_ELEMENTS // e_pad)
+    chunk = max(1, min(128, ALIGN_ELEMENTS // e_pad))
     num_chunks = max(triton.cdiv(num, chunk), 1)
     # an upper bound whatever the routing: the used rows (at most num + E * (block_m - 1))
     num_tiles = triton.cdiv(num, block_m) + num_experts

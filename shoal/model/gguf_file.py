@@ -16,6 +16,7 @@ versions 2 and 3):
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class TensorInfo:
 
     @property
     def num_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 class GGUFFile:
@@ -122,7 +123,10 @@ class GGUFFile:
         self._pos = 4
         version, num_tensors, num_fields = self._unpack("<IQQ")
         if version not in (2, 3):
-            raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            raise ValueError(f"{self.path}: a big-endian GGUF file is not supported" if swapped
+                             in (2, 3) else f"{self.path}: GGUF version {version} is not "
+                             "supported (2 or 3)")
         self.fields: dict[str, object] = {}
         for _ in range(num_fields):
             key = self._string()
@@ -134,16 +138,19 @@ class GGUFFile:
             shape = self._unpack(f"<{num_dims}Q")
             ggml_type, offset = self._unpack("<IQ")
             infos.append((name, shape, ggml_type, offset))
-        alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{self.path}: GGUF general.alignment {alignment!r} is not a power "
+                             "of two")
         data_start = -(-self._pos // alignment) * alignment
         self.tensors: list[TensorInfo] = []
         for name, shape, ggml_type, offset in infos:
             try:
                 block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            except ValueError:
+            except (ValueError, KeyError):
                 raise ValueError(f"{self.path}: GGUF tensor {name!r} has an unknown type "
                                  f"{ggml_type}") from None
-            num = int(np.prod(shape, dtype=np.int64))
+            num = math.prod(shape)  # Python ints: a corrupt dimension cannot wrap around
             t = TensorInfo(name, tuple(int(d) for d in shape), ggml_type, data_start + offset,
                            num // block * size)
             if num % block or t.offset + t.num_bytes > len(self._map):
@@ -160,7 +167,8 @@ class GGUFFile:
         (n,) = self._unpack("<Q")
         if self._pos + n > len(self._map):
             raise struct.error(f"a string of {n} bytes runs past the end")
-        s = self._map[self._pos:self._pos + n].decode("utf-8")
+        # (a vocabulary may hold byte sequences that are not UTF-8: kept, not refused)
+        s = self._map[self._pos:self._pos + n].decode("utf-8", errors="surrogateescape")
         self._pos += n
         return s
 
