@@ -111,7 +111,7 @@ class GGUFFile:
         from gguf.quants import dequantize
 
         w = dequantize(self.tensor_bytes(t), GGMLQuantizationType(t.ggml_type))
-        return torch.from_numpy(np.array(w, dtype=np.float32)).reshape(shape)
+        return torch.from_numpy(np.require(w, np.float32, ["C", "W"])).reshape(shape)
 
     # -- parsing ---------------------------------------------------------------------------
 

@@ -114,6 +114,7 @@ if HAS_TRITON:
 
 
 MAX_SPLITS = 8
+HEAD_TILE = 16  # heads a program takes (a tl.dot needs at least 16 rows)
 
 
 @functools.cache
@@ -142,22 +143,20 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
     _, block_size, _, _ = cache.shape
     assert latent_dim == _next_pow2(latent_dim), f"latent width {latent_dim} is not a power of 2"
     out = q.new_empty(batch, num_heads, latent_dim) if out is None else out
-    head_tile = min(16, max(_next_pow2(num_heads), 16))
-    head_tiles = triton.cdiv(num_heads, head_tile)
+    head_tiles = triton.cdiv(num_heads, HEAD_TILE)
     splits = splits or num_splits(batch, head_tiles, q.device)
-    # the splits' states (float32), when there are several: written, then folded
-    part = q.new_empty((batch * splits * num_heads * latent_dim) if splits > 1 else 1,
-                       dtype=torch.float32)
-    stats = q.new_empty((batch * splits * 2 * num_heads) if splits > 1 else 1,
-                        dtype=torch.float32)
+    part = stats = out  # one split writes `out` itself (the kernel never touches these)
+    if splits > 1:  # the splits' states (float32): written, then folded
+        part = q.new_empty(batch * splits * num_heads * latent_dim, dtype=torch.float32)
+        stats = q.new_empty(batch * splits * 2 * num_heads, dtype=torch.float32)
     _mla_decode_kernel[(batch, head_tiles, splits)](
         q, cache, out, part, stats, block_table, context_lens, q.stride(0), q.stride(1),
         cache.stride(0), cache.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        scale, H=num_heads, HT=head_tile, L=latent_dim, R=width - latent_dim,
+        scale, H=num_heads, HT=HEAD_TILE, L=latent_dim, R=width - latent_dim,
         RP=max(16, _next_pow2(width - latent_dim)), BLOCK_SIZE=block_size,
         TILE=max(block_size, 16), SPLITS=splits, PRECISION=_precision(q))
     if splits > 1:
         _mla_combine_kernel[(batch, head_tiles)](
-            part, stats, out, out.stride(0), out.stride(1), H=num_heads, HT=head_tile,
+            part, stats, out, out.stride(0), out.stride(1), H=num_heads, HT=HEAD_TILE,
             L=latent_dim, SPLITS=splits)
     return out

@@ -239,14 +239,13 @@ def make_policy(peers: Peers, comm: Comm):
 
 
 def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig,
-              conn: Connection, mode: str, environ: dict[str, str] | None = None) -> None:
+              conn: Connection, mode: str, environ: dict[str, str]) -> None:
     """Entry point of a rank process the front started; `environ`: the front's environment
     (a rank forked from the preloading server would otherwise see the server's)."""
     # Ctrl-C is the front's to handle: it shuts the ranks down in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+    os.environ.clear()
+    os.environ.update(environ)
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
