@@ -5,7 +5,8 @@
 The CPU tests run the kernels through Triton's interpreter, which accepts some programs the
 compiler refuses; GPU time is scarce, so this compiles them ahead of time (Triton's own
 ptxas, no driver needed) at the shapes a GPU run uses: the MLA decode kernel with and
-without context splits and their fold, the fused MoE's two GEMMs and its routing layout.
+without context splits and their fold, MLA's rope + norm + cache write, the fused MoE's
+two GEMMs and its routing layout.
 Prints one line per kernel; exits 1 if any fails. The lent GPU's Triton may be older than
 this machine's, so a pass here is a good sign, not a proof.
 """
@@ -23,6 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import shoal.model.fused_moe as moe  # noqa: E402
+import shoal.model.fused_ops as ops  # noqa: E402
 import shoal.model.paged_mla as mla  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -49,6 +51,18 @@ def cases():
     yield "mla combine, 4 splits", mla._mla_combine_kernel, *signature(
         {"part_ptr": "fp32", "stats_ptr": "fp32", "o_ptr": "bf16"}, ["stride_ob", "stride_oh"],
         dict(H=16, HT=16, L=512, SPLITS=4))
+    for heads, interleaved in ((16, True), (128, True), (16, False)):  # V2-Lite, V3 (TP 1)
+        sig, consts = signature(
+            {"q_ptr": "bf16", "q_rot_ptr": "bf16", "kv_a_ptr": "bf16", "w_ptr": "bf16",
+             "cos_ptr": "bf16", "sin_ptr": "bf16", "cache_ptr": "bf16", "blocks_ptr": "i32",
+             "offsets_ptr": "i32"},
+            ["stride_q", "stride_qh", "stride_qr", "stride_qrh", "stride_kv_a", "stride_cos",
+             "stride_sin", "stride_cache_block", "stride_cache_slot", "num_heads"],
+            dict(NOPE=128, LATENT=512, LATENTP=512, HALF=32, HALFP=32, HP=heads,
+                 INTERLEAVED=interleaved))
+        sig["eps"] = "fp32"
+        yield f"mla rope + store, {heads} heads, interleaved={interleaved}", \
+            ops._mla_rope_store_kernel, sig, consts
     # the routed experts of V2-Lite (64 experts, top 6, hidden 2048, 1408 wide) at decode
     tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32")
     yield "moe gate_up", moe._gate_up_kernel, *signature(

@@ -68,7 +68,7 @@ def main(model: str, batch: int, loop: str = "overlap") -> None:
                 engine.step()
             torch.cuda.synchronize()
         print(f"decode: GPU busy {_gpu_ms(prof) / 10:.2f} ms/step")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20):

@@ -98,3 +98,63 @@ def test_rope_in_place_on_the_qkv_rows(dtype, heads):
     assert_rope_matches(q.reshape(t, hq, d), q_in, cos, sin, ref_q)
     assert_rope_matches(k.reshape(t, hkv, d), k_in, cos, sin, ref_k)
     assert torch.equal(v, ref_v)  # the values are left alone
+
+
+def _rope_bound(ours, x, cos, sin, interleaved, ref):
+    """As assert_rope_matches, for the pairs apply_rope rotates (halves, or interleaved
+    (2i, 2i+1) written back as all evens, then all odds)."""
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        return
+    x = x.double()
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    half = x.shape[-1] // 2
+    c, s = cos[:, :half].double().unsqueeze(1), sin[:, :half].double().unsqueeze(1)
+    exact = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    scale = torch.cat(((x1 * c).abs() + (x2 * s).abs(), (x2 * c).abs() + (x1 * s).abs()), dim=-1)
+    eps = torch.finfo(ref.dtype).eps
+    assert ((ours.double() - exact).abs() <= eps * scale + 1e-30).all()
+    assert ((ref.double() - exact).abs() <= 2 * eps * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(16, 128, 64, 512, True), (3, 32, 16, 64, False),
+                                   (5, 16, 8, 40, True)])  # heads, nope, rope, latent, interleaved
+def test_mla_rope_store_matches_the_ops_it_replaces(dtype, shape):
+    """The query heads' rotary parts, and each token's cache entry (the latent's RMSNorm, the
+    rotated key) in its slot, as shoal.model.mla's ops compute them; other slots untouched."""
+    from shoal.model.rope import apply_rope
+    heads, nope, rope, latent, interleaved = shape
+    g = torch.Generator().manual_seed(heads * rope)
+    t, num_blocks, block_size = 21, 8, 4
+    q = torch.randn(t, heads, nope + rope, generator=g).to(DEVICE, dtype)
+    kv_a = (3 * torch.randn(t, latent + rope, generator=g)).to(DEVICE, dtype)
+    norm = RMSNorm(latent, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(latent, generator=g) + 0.5)
+    positions = torch.randint(0, 4000, (t,), generator=g).float()
+    freqs = positions[:, None] / (10000 ** (torch.arange(0, rope, 2).float() / rope))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cache = torch.full((num_blocks, block_size, 1, latent + rope), float("nan"), dtype=dtype,
+                       device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t].to(DEVICE)
+    blocks, offsets = (slots // block_size).int(), (slots % block_size).int()
+    q_before = q.clone()
+
+    q_rot = fused_ops.mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, cache, blocks,
+                                     offsets, nope, interleaved)
+    assert torch.equal(q, q_before)  # read only
+    _rope_bound(q_rot, q[..., nope:], cos, sin, interleaved,
+                apply_rope(q[..., nope:], cos, sin, interleaved))
+    entry = cache[blocks.long(), offsets.long(), 0]
+    assert_matches(entry[:, :latent], norm(kv_a[:, :latent]))
+    k = kv_a[:, latent:].unsqueeze(1)
+    _rope_bound(entry[:, latent:].unsqueeze(1), k, cos, sin, interleaved,
+                apply_rope(k, cos, sin, interleaved))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert cache.view(-1, latent + rope)[untouched].isnan().all()
+    assert fused_ops.mla_rope_store(q[:0], kv_a[:0], norm.weight, norm.eps, cos[:0], sin[:0],
+                                    cache, blocks[:0], offsets[:0], nope,
+                                    interleaved).shape == (0, heads, rope)

@@ -14,6 +14,9 @@ ulp further off.
     add_rms_norm(x, residual, w, eps)   residual + x, then its RMSNorm: both returned
     silu_mul(gate_up)                   F.silu(gate) * up of the halves of gate_up
     rope_(qkv, cos, sin, ...)           q * cos + rotate_half(q) * sin, k likewise, in place
+    mla_rope_store(q, kv_a, ...)        MLA's step after its projections: the query heads'
+                                        rotary parts rotated, the latent's RMSNorm and the
+                                        rotated key written into the token's cache slot
 
 Tested against those ops on random inputs (tests/test_fused_ops.py; on CPU through
 Triton's interpreter).
@@ -81,6 +84,59 @@ if HAS_TRITON:
         tl.store(first, out1.to(dtype), mask=mask)
         tl.store(first + HALF, out2.to(dtype), mask=mask)
 
+    @triton.jit
+    def _rotate(x1, x2, c, s):
+        """(x1 cos - x2 sin, x2 cos + x1 sin), each product rounded to x's dtype (as
+        apply_rope's ops round them)."""
+        dtype = x1.dtype
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        out1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
+        out2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
+        return out1.to(dtype), out2.to(dtype)
+
+    @triton.jit
+    def _mla_rope_store_kernel(q_ptr, q_rot_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr,
+                               blocks_ptr, offsets_ptr, stride_q, stride_qh, stride_qr,
+                               stride_qrh, stride_kv_a, stride_cos, stride_sin,
+                               stride_cache_block, stride_cache_slot, num_heads, eps,
+                               NOPE: tl.constexpr, LATENT: tl.constexpr, LATENTP: tl.constexpr,
+                               HALF: tl.constexpr, HALFP: tl.constexpr, HP: tl.constexpr,
+                               INTERLEAVED: tl.constexpr):
+        """One token: its query heads' rotary parts into q_rot; RMSNorm(latent) and the
+        rotated key into its cache slot. Interleaved pairs (2i, 2i+1) come out as (all
+        evens, all odds), as apply_rope writes them."""
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, HALFP)
+        jm = j < HALF
+        c = tl.load(cos_ptr + t * stride_cos + j, mask=jm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_sin + j, mask=jm, other=0.0).to(tl.float32)
+        first = 2 * j if INTERLEAVED else j  # where x1 and x2 of pair j are
+        second = 2 * j + 1 if INTERLEAVED else j + HALF
+        heads = tl.arange(0, HP)
+        hm = (heads[:, None] < num_heads) & jm[None, :]
+        src = q_ptr + t * stride_q + heads[:, None] * stride_qh + NOPE
+        x1 = tl.load(src + first[None, :], mask=hm, other=0.0)
+        x2 = tl.load(src + second[None, :], mask=hm, other=0.0)
+        out1, out2 = _rotate(x1, x2, c[None, :], s[None, :])
+        dst = q_rot_ptr + t * stride_qr + heads[:, None] * stride_qrh + j[None, :]
+        tl.store(dst, out1, mask=hm)
+        tl.store(dst + HALF, out2, mask=hm)
+        # the cache entry: [RMSNorm(latent) | rotated key]
+        block = tl.load(blocks_ptr + t).to(tl.int64)
+        slot = cache_ptr + block * stride_cache_block + tl.load(offsets_ptr + t).to(tl.int64) * stride_cache_slot
+        cols = tl.arange(0, LATENTP)
+        cm = cols < LATENT
+        latent = tl.load(kv_a_ptr + t * stride_kv_a + cols, mask=cm, other=0.0)
+        h = latent.to(tl.float32)
+        h = (h * tl.math.rsqrt(tl.sum(h * h, axis=0) / LATENT + eps)).to(latent.dtype)
+        w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        tl.store(slot + cols, (w * h.to(tl.float32)).to(cache_ptr.dtype.element_ty), mask=cm)
+        key = kv_a_ptr + t * stride_kv_a + LATENT
+        k1, k2 = _rotate(tl.load(key + first, mask=jm, other=0.0),
+                         tl.load(key + second, mask=jm, other=0.0), c, s)
+        tl.store(slot + LATENT + j, k1.to(cache_ptr.dtype.element_ty), mask=jm)
+        tl.store(slot + LATENT + HALF + j, k2.to(cache_ptr.dtype.element_ty), mask=jm)
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
@@ -129,3 +185,26 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: 
     _rope_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0),
                                   heads, HALF=half, HP=_next_pow2(heads),
                                   HALFP=_next_pow2(half))
+
+
+def mla_rope_store(q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                   slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, nope: int,
+                   interleaved: bool) -> torch.Tensor:
+    """MLA's elementwise step in one launch. q [T, H, nope + R] (read only), kv_a [T, L + R]
+    (the latent, then the rotary key), cos/sin [T, R]; cache [blocks, block_size, 1, L + R].
+    Writes each token's [RMSNorm(latent) * norm_weight | rope(key)] into its slot and
+    returns the queries' rotary parts rotated, [T, H, R]."""
+    num_tokens, heads, width = q.shape
+    rope = width - nope
+    latent = kv_a.shape[1] - rope
+    q_rot = torch.empty(num_tokens, heads, rope, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        assert q.stride(2) == 1 and kv_a.stride(1) == 1 and cache.stride(3) == 1
+        _mla_rope_store_kernel[(num_tokens,)](
+            q, q_rot, kv_a, norm_weight, cos, sin, cache, slot_blocks, slot_offsets,
+            q.stride(0), q.stride(1), q_rot.stride(0), q_rot.stride(1), kv_a.stride(0),
+            cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(1), heads, eps,
+            NOPE=nope, LATENT=latent, LATENTP=_next_pow2(latent), HALF=rope // 2,
+            HALFP=_next_pow2(rope // 2), HP=_next_pow2(heads), INTERLEAVED=interleaved)
+    return q_rot

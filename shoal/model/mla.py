@@ -64,18 +64,32 @@ class MLAttention(nn.Module):
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rot = q.view(num_tokens, heads, self.nope + self.rope).split(
-            [self.nope, self.rope], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)
-        q_rot = apply_rope(q_rot, cos, sin, self.interleaved)
-        k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin, self.interleaved)  # [T, 1, R]
-        entry = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_rot), dim=-1)
-        cache[meta.slot_block_ids, meta.slot_offsets] = entry
+            q = self.q_b_proj(self._norm(self.q_a_layernorm, self.q_a_proj(x)))
+        q = q.view(num_tokens, heads, self.nope + self.rope)
+        q_nope = q[..., :self.nope]
+        kv_a = self.kv_a_proj_with_mqa(x)
+        if self.backend.fused:  # rope, the latent's norm and the cache write: one kernel
+            from shoal.model.fused_ops import mla_rope_store
+            norm = self.kv_a_layernorm
+            q_rot = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, cache,
+                                   meta.slot_block_ids, meta.slot_offsets, self.nope,
+                                   self.interleaved)
+        else:
+            latent, k_rot = kv_a.split([self.latent, self.rope], dim=-1)
+            q_rot = apply_rope(q[..., self.nope:], cos, sin, self.interleaved)
+            k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin, self.interleaved)  # [T, 1, R]
+            entry = torch.cat((self.kv_a_layernorm(latent).unsqueeze(1), k_rot), dim=-1)
+            cache[meta.slot_block_ids, meta.slot_offsets] = entry
         # an ADP padding step (no tokens: this owner has nothing, its peers do) attends nothing
         out = self._attend(q_nope, q_rot, meta, cache) if num_tokens else x.new_empty(0, heads, self.v)
         out = self.o_proj(out.reshape(num_tokens, heads * self.v))
         return self.shard.all_reduce_(out) if self.shard.shards_attention else out
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        if not self.backend.fused:
+            return norm(x)
+        from shoal.model.fused_ops import rms_norm
+        return rms_norm(x, norm.weight, norm.eps)
 
     def _attend(self, q_nope, q_rot, meta, cache) -> torch.Tensor:
         """Decode rows absorbed (batched), each prefill chunk expanded -> [T, H, v]."""
