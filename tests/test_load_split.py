@@ -122,9 +122,9 @@ def test_the_front_never_passes_the_landed_blocks():
 
 def test_measurements_move_the_rates():
     p = planner()
-    p.observe_prefill(8, 1.0)  # too small a step to say anything
+    p.observe_prefill([(0, 8)], 1.0)  # too small a step to say anything
     assert p.prefill_tps.value is None
-    p.observe_prefill(1000, 0.5)
+    p.observe_prefill([(0, 600), (40, 400)], 0.5)
     assert p.prefill_tps.value == 2000.0
     p.observe_load(1024, 1.0, first_landed_s=0.2)
     assert p.load_latency_s.value == pytest.approx(0.2)
@@ -200,7 +200,7 @@ def test_two_forwards_give_the_rate_and_the_fixed_cost():
     p.calibrate_prefill((512, 0.0125), (2048, 0.0225))
     assert p.prefill_tps.value == pytest.approx(153_600)
     assert p.prefill_overhead_s == pytest.approx(0.0125 - 512 / 153_600)
-    p.observe_prefill(4096, 0.0125 - 512 / 153_600 + 4096 / 153_600)  # the same line
+    p.observe_prefill([(0, 4096)], 0.0125 - 512 / 153_600 + 4096 / 153_600)  # the same line
     assert p.prefill_tps.value == pytest.approx(153_600)
 
 
@@ -210,3 +210,33 @@ def test_a_noisy_bring_up_pair_changes_nothing():
     assert p.prefill_tps.value == 5000.0 and p.prefill_overhead_s == 0.0
     p.calibrate_prefill((32, 0.10), (128, 0.11))  # the fixed cost is capped at half the large
     assert p.prefill_overhead_s <= 0.055
+
+
+def test_a_long_front_costs_more_per_token_than_a_short_one():
+    """With attention's share of the work (a (query, key) pair costs w tokens' weights), the
+    bring-up's short forwards give a rate per unit of work, and a front of n tokens after s
+    others is n + w (n s + n^2 / 2) of it: the split gives a long front less than a rate per
+    token alone would, and both sides still end together."""
+    w = 1e-4  # a 1B-like model: at 8k tokens, attention is about 40% of the work
+    p = planner()
+    p.attention_weight = w
+    # forwards of 512 and 2048 tokens at 100k units/s past a 5 ms fixed cost
+    t = lambda n: 0.005 + (n + w * n * n / 2) / 100_000  # noqa: E731
+    p.calibrate_prefill((512, t(512)), (2048, t(2048)))
+    assert p.prefill_tps.value == pytest.approx(100_000)
+    assert p.prefill_overhead_s == pytest.approx(0.005)
+    p.observe_prefill([(0, 4096)], t(4096))  # a real step on the same curve: no change
+    assert p.prefill_tps.value == pytest.approx(100_000)
+    p.load_tps.value, p.load_latency_s.value = 100_000.0, 0.0
+    flat = planner(prefill=100_000.0, load=100_000.0)
+    flat.prefill_overhead_s = 0.005
+    d, d_flat = p.admit(0, 512), flat.admit(0, 512)  # 8192 tokens
+    assert d.first.num_tokens < d_flat.first.num_tokens
+    x, rest = d.first.num_tokens, 8192 - d.load_from * BS
+    assert x + rest >= 8192 and rest - (8192 - x) < BS  # the load starts where the front ends
+    # they end together, to a block
+    front_s, load_s = t(x), rest / 100_000
+    assert abs(front_s - load_s) <= BS / 100_000 + BS * (1 + w * 8192) / 100_000
+    # deep into a context, the same share costs more: the front takes less
+    later = p.front_step(4096, 256, 512, 512, None, 0.0)
+    assert later.num_tokens < d.first.num_tokens * 4096 // 8192 + BS

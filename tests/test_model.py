@@ -134,3 +134,25 @@ def test_prompt_logprobs_match_transformers(tiny_model, max_num_tokens):
         assert abs(lps[p].logprob - row[prompt[p]].item()) < 1e-4
         assert lps[p].rank == int((row > row[prompt[p]]).sum()) + 1
         assert [t for t, _ in lps[p].top] == row.topk(3).indices.tolist()
+
+
+def test_attention_weight_is_a_pair_of_attention_against_a_token_through_the_weights():
+    """The load split's cost model (LlamaModel.attention_weight), by hand: FLOPs of one
+    (query, key) pair (QK and PV, every head and layer) over a token's matmul FLOPs, of the
+    experts only the top k's."""
+    from shoal.model.config import ModelConfig
+    from shoal.model.llama import LlamaModel
+    common = dict(vocab_size=16, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    with torch.device("meta"):
+        dense = LlamaModel(ModelConfig(intermediate_size=32, **common))
+        moe = LlamaModel(ModelConfig(intermediate_size=32, family="qwen3_moe", num_experts=8,
+                                     num_experts_per_tok=2, moe_intermediate_size=40,
+                                     moe_layers=(1,), **common))
+    attn = 48 * (4 + 2 + 2) * 8 + 4 * 8 * 48  # qkv, o
+    pair = (8 + 8) * 4 * 2  # d_qk + d_v, heads, layers
+    assert dense.attention_weight() == pytest.approx(pair / (2 * (attn + 3 * 48 * 32)))
+    experts = 2 * 3 * 48 * 40 + 48 * 8  # two experts' gate, up, down; the router
+    assert moe.attention_weight() == pytest.approx(
+        pair / (2 * attn + 3 * 48 * 32 + experts))

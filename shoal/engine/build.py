@@ -142,7 +142,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
                                device=str(device), block_nbytes=layout.block_nbytes)
         transfers = KVTransfers(config.kv_connector, ctx, KVCacheRegistration(kv_cache.tensor, layout),
                                 kv_manager.pool, peers.agreement, config.max_num_tokens,
-                                on_stuck)
+                                on_stuck, model.attention_weight())
     log.info("engine ready: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
              num_blocks, config.block_size, num_blocks * layout.block_nbytes / 2**20,
              max_model_len)

@@ -266,7 +266,7 @@ class Engine:
             # from when the executing thread took the step up to its samples on the host
             if self.transfers is not None and not batch.transfers.loading_ids:
                 self.transfers.planner.observe_prefill(
-                    _num_prefill_tokens(batch), time.perf_counter() - out.started)
+                    _prefill_chunks(batch), time.perf_counter() - out.started)
             outcome = None
             if out.transfers is not None:
                 outcome = self.transfers.apply(batch.transfers, out.transfers)
@@ -391,8 +391,8 @@ class Engine:
             self.transfers.shutdown()
 
 
-def _num_prefill_tokens(batch: ScheduledBatch) -> int:
-    """Tokens of the batch's prefill chunks, if they are most of it (else 0: a step of
-    decodes says little about the prefill rate)."""
-    num = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
-    return num if 2 * num >= batch.num_tokens else 0
+def _prefill_chunks(batch: ScheduledBatch) -> list[tuple[int, int]]:
+    """(start, num_tokens) of the batch's prefill chunks, if they are most of it (else none:
+    a step of decodes says little about the prefill rate)."""
+    chunks = [(c.start, c.num_tokens) for c in batch.chunks if c.num_tokens > 1]
+    return chunks if 2 * sum(n for _, n in chunks) >= batch.num_tokens else []

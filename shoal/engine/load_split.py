@@ -92,10 +92,17 @@ class LoadDecision:
 
 
 class LoadPlanner:
-    def __init__(self, block_size: int, max_num_tokens: int):
+    """`attention_weight`: what a (query, key) pair of prefill attention costs against a
+    token through the model's weights (LlamaModel.attention_weight): computing n tokens
+    after `start` others is n + w (n start + n^2 / 2) tokens' work, so a long front costs
+    more per token than the bring-up's short forwards (the prefill rate is per unit of work)."""
+
+    def __init__(self, block_size: int, max_num_tokens: int, attention_weight: float = 0.0):
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
-        self.prefill_tps = Ewma()  # tokens/s of prefill forwards, past their fixed cost
+        self.attention_weight = attention_weight
+        self.prefill_tps = Ewma()  # work/s of prefill forwards past their fixed cost (work:
+        # tokens, plus attention_weight per (query, key) pair)
         self.prefill_overhead_s = 0.0  # a forward's fixed cost (launches, weight reads)
         self.load_tps = Ewma()  # tokens/s of loads from the store once their first blocks landed
         self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
@@ -104,22 +111,29 @@ class LoadPlanner:
 
     # -- measurements ----------------------------------------------------------------------
 
+    def work(self, start: int, num_tokens: int) -> float:
+        """The work of computing positions [start, start + num_tokens) of a request."""
+        return num_tokens + self.attention_weight * num_tokens * (start + num_tokens / 2)
+
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float]) -> None:
-        """Two forwards of different sizes, (tokens, seconds) each: the prefill rate from
-        their difference and a forward's fixed cost from the rest (a GPU's forward of 512
-        tokens is mostly fixed cost: one of them alone understates the rate 4x)."""
+        """Two forwards of different sizes from position 0, (tokens, seconds) each: the
+        prefill rate from their difference and a forward's fixed cost from the rest (a GPU's
+        forward of 512 tokens is mostly fixed cost: one of them alone understates the rate
+        4x)."""
         (n1, t1), (n2, t2) = small, large
         if not (t2 > t1 > 0 and n2 > n1):  # a noisy pair says nothing: keep what is known
             return
-        rate = (n2 - n1) / (t2 - t1)
+        w1, w2 = self.work(0, n1), self.work(0, n2)
+        rate = (w2 - w1) / (t2 - t1)
         # this machine, now: replaces what the last run left (not averaged with it)
-        self.prefill_overhead_s = min(max(t1 - n1 / rate, 0.0), t2 / 2)
+        self.prefill_overhead_s = min(max(t1 - w1 / rate, 0.0), t2 / 2)
         self.prefill_tps.value = rate
 
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+    def observe_prefill(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """A step of prefill chunks, (start, num_tokens) each, took `seconds`."""
         busy = seconds - self.prefill_overhead_s
-        if num_tokens >= MIN_PREFILL_TOKENS and busy > seconds / 4:
-            self.prefill_tps.add(num_tokens / busy)
+        if sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS and busy > seconds / 4:
+            self.prefill_tps.add(sum(self.work(s, n) for s, n in chunks) / busy)
 
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,
                      host_share: float = 0.0) -> None:
@@ -182,13 +196,18 @@ class LoadPlanner:
                                host_share, remaining)
         if rate is None:  # nothing known of the load yet: the front waits for a first word,
             # but not long (a dead-slow store must not make the hit much slower than computing)
-            if started is not None and now - started >= UNKNOWN_LOAD_WAIT * remaining / C:
+            if (started is not None
+                    and now - started >= UNKNOWN_LOAD_WAIT * self.work(front, remaining) / C):
                 return FrontStep(min(remaining, self.max_num_tokens), landed_from)
             return FrontStep(0, 0)
         L, latency = rate
-        # the front's share x: they end together, overhead + x / C = latency + (R - x) / L
-        # (a forward's fixed cost on one side, the load's first-block latency on the other)
-        exact = (latency - self.prefill_overhead_s + remaining / L) / (1 / C + 1 / L)
+        # the front's share x: they end together, overhead + work(front, x) / C = latency +
+        # (R - x) / L (a forward's fixed cost on one side, the load's first-block latency on
+        # the other): a2 x^2 + a1 x + a0 = 0, its positive root in a form stable at a2 = 0
+        a2 = self.attention_weight / (2 * C)
+        a1 = (1 + self.attention_weight * front) / C + 1 / L
+        a0 = self.prefill_overhead_s - latency - remaining / L
+        exact = -2 * a0 / (a1 + math.sqrt(max(a1 * a1 - 4 * a2 * a0, 0.0)))
         if remaining - exact < bs:  # the load would not add a block: compute it all
             return FrontStep(min(remaining, self.max_num_tokens), landed_from)
         share = max(int(exact) // bs * bs, 0)

@@ -46,7 +46,8 @@ T = TypeVar("T")
 class KVTransfers:
     def __init__(self, config: ConnectorConfig, ctx: ConnectorContext,
                  registration: KVCacheRegistration, pool: BlockPool, agreement: Agreement,
-                 max_num_tokens: int, on_stuck: Callable[[str], None] | None = None):
+                 max_num_tokens: int, on_stuck: Callable[[str], None] | None = None,
+                 attention_weight: float = 0.0):
         self.config = config
         self.ctx = ctx
         self.pool = pool
@@ -55,7 +56,7 @@ class KVTransfers:
         self.poller = TransferPoller(self.calls)
         # the front computes while the back loads where both sides can (SPEC 3.1)
         self.partial_loads = config.compute_while_loading and self.calls.partial_loads
-        self.planner = LoadPlanner(ctx.block_size, max_num_tokens)
+        self.planner = LoadPlanner(ctx.block_size, max_num_tokens, attention_weight)
         self._rates_path = rates_path(config, ctx)
         # rates are kept between runs wherever loads can be split (also by an engine that
         # loads whole: what it measures serves the next one)

@@ -172,6 +172,25 @@ class LlamaModel(nn.Module):
                 layer.mlp.router_to_float32()
         return self
 
+    def attention_weight(self) -> float:
+        """What one (query, key) pair of prefill attention costs against one token through
+        the layers' weights: 2 (d_qk + d_v) FLOPs per head and layer against 2 per weight a
+        token meets (of the experts, the top k). A long prefill's per-token cost grows with
+        its context by this much (the load split's cost model)."""
+        cfg = self.cfg
+        d_qk, d_v = ((cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim) if cfg.is_mla
+                     else (cfg.head_dim, cfg.head_dim))
+        pair = (d_qk + d_v) * self.layers[0].self_attn.num_heads * cfg.num_layers
+        weights = 0
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, nn.Linear):
+                    weights += module.weight.numel()
+                elif isinstance(module, SparseMoE):  # a token meets k of the experts
+                    k = cfg.num_experts_per_tok / module.num_local
+                    weights += k * (module.gate_up.numel() + module.down.numel())
+        return pair / weights if weights else 0.0
+
     def use_backend(self, backend) -> None:
         """Read and write the cache through `backend` from now on (every layer)."""
         for module in self.modules():
