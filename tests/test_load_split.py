@@ -71,6 +71,19 @@ def test_a_few_first_blocks_do_not_replace_earlier_loads_rate():
     assert slow.num_tokens == 1984 * 635 // (635 + 160) // BS * BS and slow.drop_to == 99
 
 
+def test_a_fast_load_ramping_up_is_not_taken_for_slow():
+    """Seen on CPU: earlier loads 72.7k tokens/s after 2.7 ms; this one has landed 2 blocks
+    6 ms in (9k tokens/s counted from when they were due, over 4x slower). Taken for its
+    rate, the front computed 144 tokens in a forward of 0.28 s while the load landed the
+    rest in 27 ms more (TTFT 0.32 s against 0.14 s loaded whole). Ramping up, not slow: the
+    earlier rate holds until it would have landed 8 blocks 4 times over."""
+    p = planner(prefill=1320.0, load=72_700.0, latency=0.00265)
+    p.prefill_overhead_s = 0.08
+    assert p.front_step(0, 0, 125, 127, started=0.0, now=0.006).num_tokens == 0
+    # still 2 blocks at 30 ms: that is slow
+    assert p.front_step(0, 0, 125, 127, started=0.0, now=0.03).num_tokens > 0
+
+
 def test_the_first_landed_unit_is_not_taken_for_the_rate():
     """A store with 50 ms to its first blocks and fast after: 16 blocks landed 60 ms in.
     Over the whole wait that is ~4,300 tokens/s, slower than computing (5,000): the front

@@ -247,15 +247,19 @@ class LoadPlanner:
         from when a first block was due (the measured first-block latency): right after the
         first block lands, landed / waited would mostly measure that latency and take a
         fast store for a slow one; and it replaces earlier loads' rate once a few blocks
-        have landed, or sooner if it is far slower (the first blocks come while the reads
-        ramp up)."""
+        have landed, or sooner if it is far slower and has been for long enough that the
+        earlier rate would have landed those few blocks several times over (the first
+        blocks come while the reads ramp up: a front that takes them for a slow store
+        pays a whole forward for a load that lands a few ms later)."""
         expected = self.expected_rate(host_share)
         F = expected[1] if expected is not None else self.load_latency_s.value
         if waited is not None and waited > 0 and num_landed > 0:
             streaming = max(waited - (F or 0.0), waited * MIN_STREAMING_SHARE)
             own = num_landed / streaming
-            if (expected is None or num_landed >= MIN_OWN_RATE_BLOCKS * self.block_size
-                    or own * OWN_RATE_SLACK < expected[0]):
+            few = MIN_OWN_RATE_BLOCKS * self.block_size
+            if (expected is None or num_landed >= few
+                    or own * OWN_RATE_SLACK < expected[0]
+                    and waited >= OWN_RATE_SLACK * (expected[1] + few / expected[0])):
                 return own, 0.0
         if expected is None:
             return None
