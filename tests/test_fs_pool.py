@@ -171,6 +171,39 @@ def test_blocks_a_load_brought_are_looked_up_once(tiny_model, workload, baseline
     assert [looked.get(pf.block_path_str(str(pool), k)) for k in keys[:10]] == [1] * 10
 
 
+def test_a_long_hit_is_found_with_a_few_lookups_and_a_hole_in_it_is_recomputed(
+        tiny_model, tmp_path, monkeypatch):
+    """A request's run of 64 pool blocks: admission finds it with a binary search (the pool
+    holds a prefix of a run, published front to back), not 64 lookups. A hole in it (a file
+    trimmed by another process) is a hint gone wrong: the load fails there, the engine
+    recomputes from it, and the block is saved again; the output is the baseline's."""
+    prompt = random_prompts(512, [259], seed=21)[0]  # 64 full blocks of 4 before the last token
+    with LLM(tiny_model, **KW) as llm:
+        expected = llm.generate([prompt], SP)[0].token_ids
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, [prompt])
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
+        keys: list[bytes] = []
+        extend_block_keys(keys, prompt, 4,
+                          request_seed(bytes.fromhex(llm.engine.info.namespace), None))
+        looked = count_lookups(monkeypatch)
+        out = llm.generate([prompt], SP)[0]
+        llm.check_integrity()
+    assert out.token_ids == expected and out.num_connector_tokens == 256
+    paths = [pf.block_path_str(str(pool), k) for k in keys[:64]]
+    assert sum(looked.get(p, 0) for p in paths) <= 8  # first, last, log2(64) between
+    monkeypatch.undo()
+    hole = Path(paths[40])
+    hole.unlink()
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
+        out = llm.generate([prompt], SP)[0]
+        s = llm.stats()
+        llm.check_integrity()
+    assert out.token_ids == expected
+    assert out.num_connector_tokens == 160 and s["missing_blocks"] == 1  # blocks 0-39 loaded
+    assert hole.is_file()  # recomputed and saved again: the next hit is whole
+
+
 def test_missing_file_after_lookup_is_recomputed(tiny_model, workload, baseline, tmp_path,
                                                  monkeypatch):
     """A file that disappears between the lookup and the read (trimmed by another process)."""

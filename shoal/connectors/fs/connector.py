@@ -9,7 +9,8 @@ over `FsStore`, a directory of block files. Options: those of every store
     root            pool directory (required; created with owner-only permissions)
     max_bytes       optional capacity; the least recently used files are trimmed past it
 
-A lookup is an lstat per block (stopping at the first miss); a read opens the file
+A lookup is an lstat per block (a request's run: a binary search for its first miss); a
+read opens the file
 relative to a directory fd kept open (format.BlockDirs) and reads header and payload with
 one preadv. A corrupt file is moved to quarantine/, or, where it cannot be (a read-only
 pool), never read again by this process.
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 FsPoolMeta = PoolMeta  # the fs connector's plan is every store's
 TOUCH_INTERVAL_SECONDS = 60.0
+SCAN_KEYS = 16  # a lookup of up to this many keys stopping at a miss checks each in turn
 
 
 @dataclass(frozen=True)
@@ -114,13 +116,38 @@ class FsStore(BlockStore):
         self._bytes_since_trim = 0
 
     def contains(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bool]:
+        """A lookup per key; with stop_at_miss and more than SCAN_KEYS keys, a binary search
+        for the first miss: the blocks of a request's run are published front to back (a
+        block's key names every token before it), so what the pool holds of a run is a
+        prefix of it (~10 lookups for 512 blocks, not 512). The answer is a hint, as the
+        contract allows: a hole inside the prefix (a file trimmed or quarantined) is found
+        by the load, which fails from there and the engine recomputes (and saves) it."""
+        if stop_at_miss and len(keys) > SCAN_KEYS:
+            return self._leading_run(keys)
         found = []
         for key in keys:
-            path = pf.block_path_str(self._root_str, key)
-            found.append(path not in UNUSABLE_FILES and pf.is_block_file(path))
+            found.append(self._has(key))
             if stop_at_miss and not found[-1]:
                 break
         return found
+
+    def _has(self, key: bytes) -> bool:
+        path = pf.block_path_str(self._root_str, key)
+        return path not in UNUSABLE_FILES and pf.is_block_file(path)
+
+    def _leading_run(self, keys: Sequence[bytes]) -> list[bool]:
+        if not self._has(keys[0]):
+            return [False]
+        if self._has(keys[-1]):
+            return [True] * len(keys)
+        held, missing = 0, len(keys) - 1  # keys[held] is in the pool, keys[missing] is not
+        while missing - held > 1:
+            mid = (held + missing) // 2
+            if self._has(keys[mid]):
+                held = mid
+            else:
+                missing = mid
+        return [True] * missing + [False]
 
     def read_unit(self, keys: Sequence[bytes], spec: BlockSpec) -> UnitReader:
         return _FileReader(self, keys, spec)
