@@ -6,7 +6,7 @@ The CPU tests run the kernels through Triton's interpreter, which accepts some p
 compiler refuses; GPU time is scarce, so this compiles them ahead of time (Triton's own
 ptxas, no driver needed) at the shapes a GPU run uses: the MLA decode kernel with and
 without context splits and their fold, MLA's rope + norm + cache write, the fused MoE's
-two GEMMs and its routing layout.
+router, its two GEMMs and its routing layout.
 Prints one line per kernel; exits 1 if any fails. The lent GPU's Triton may be older than
 this machine's, so a pass here is a good sign, not a proof.
 """
@@ -74,6 +74,12 @@ def cases():
          "row_ids_ptr": "i32", "tile_expert_ptr": "i32"},
         ["stride_inter", "stride_we", "stride_wn", "stride_out"],
         dict(NUM_EXPERTS=64, HIDDEN=2048, INTER=1408, **tiles))
+    for experts, k in ((64, 6), (128, 8)):  # V2-Lite's router, Qwen3-30B-A3B's
+        sig, consts = signature({"logits_ptr": "fp32", "weights_ptr": "bf16", "chosen_ptr": "i64"},
+                                ["stride_logits", "num_experts"],
+                                dict(TOP_K=k, K_PAD=8, E_PAD=experts, NORMALIZE=k == 8))
+        sig["scale"] = "fp32"
+        yield f"moe router, {experts} experts, top {k}", moe._route_kernel, sig, consts
     for experts in (64, 256):  # V2-Lite; V3 (a 512-wide one-hot, 32 assignments a program)
         e_pad = triton.next_power_of_2(experts + 1)
         chunk = min(128, moe.ALIGN_ELEMENTS // e_pad)

@@ -97,3 +97,31 @@ def test_sorted_rows_equal_the_plain_layout(num_tokens, k, num_experts, first, b
     rows, experts = sorted_by_expert(chosen, first, num_experts, block_m)
     assert row_ids.tolist() == rows
     assert tile_expert.tolist() == experts
+
+
+@pytest.mark.parametrize("experts, k, normalize, scale, dtype", [
+    (8, 2, True, 1.0, torch.float32), (64, 6, False, 1.0, torch.float32),
+    (128, 8, True, 2.5, torch.float32), (60, 4, False, 16.0, torch.float32)] + (
+    [(128, 8, True, 1.0, torch.bfloat16), (64, 6, False, 1.0, torch.bfloat16)]
+    if DEVICE == "cuda" else []))
+@torch.no_grad()
+def test_the_router_kernel_matches_route(experts, k, normalize, scale, dtype):
+    """The greedy router in one launch: the same experts, largest first, and the same
+    weights (softmax in float32, renormalised, scaled) as SparseMoE.route."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+    cfg = replace(CFG, num_experts=experts, num_experts_per_tok=k, norm_topk_prob=normalize,
+                  routed_scaling_factor=scale)
+    g = torch.Generator().manual_seed(experts * k)
+    moe = SparseMoE(cfg, Shard(), backend=None).to(DEVICE, dtype)
+    moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=g) * 3)  # decisive
+    x = torch.randn(37, cfg.hidden_size, generator=g).to(DEVICE, dtype)
+    ref_weights, ref_chosen = moe.route(x)
+    weights, chosen = fm.route_softmax_topk(F.linear(x, moe.gate.weight), k, normalize, scale,
+                                            dtype)
+    assert torch.equal(chosen, ref_chosen)
+    assert weights.dtype == ref_weights.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(weights, ref_weights, rtol=tol, atol=tol)
+    assert fm.route_softmax_topk(x[:0, :experts], k, normalize, scale, dtype)[1].shape == (0, k)

@@ -112,10 +112,12 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
                                      "on a GPU tests/test_cuda.py runs it for real")
 
 
-@pytest.fixture(params=["llama", "deepseek_v2"])
+@pytest.fixture(params=["llama", "deepseek_v2", "qwen3_moe"])
 def kernel_model(request) -> str:
-    """A dense GQA model, and one with latent attention (its decode kernel) and experts
-    (the fused MoE): what the Triton backend runs on a GPU."""
+    """A dense GQA model; one with latent attention (its decode kernel and its fused rope,
+    norm and cache write) and experts (the fused MoE) under group-limited routing; and one
+    with experts under greedy routing (the router's kernel): what the Triton backend runs
+    on a GPU."""
     if request.param == "llama":
         return request.getfixturevalue("tiny_model")
     return str(request.getfixturevalue("tiny_moe_models")[request.param])

@@ -14,6 +14,7 @@ where each tile re-reads its expert's weights):
     down      grid (tiles, hidden / BLOCK_N): inter times the expert's down weights, times
               the assignment's router weight, written to the assignment's row of `out`
 
+The router's greedy top k (softmax scores) is one launch too (`route_softmax_topk`).
 The layout is built on the device in two small launches, with a running sum between them
 and no sort: `_count_kernel` (each program counts a chunk of assignments per expert) and
 `_place_kernel` (an assignment's row is its expert's first row plus the expert's
@@ -152,6 +153,52 @@ if HAS_TRITON:
             t = t0 + tl.arange(0, TILE_BLOCK)
             passed = (padded_end[None, :] <= (t * BLOCK_M)[:, None]) & ours[None, :]
             tl.store(tile_expert_ptr + t, tl.sum(passed.to(tl.int32), axis=1), mask=t < num_tiles)
+
+
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, chosen_ptr, stride_logits, num_experts, scale,
+                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                      NORMALIZE: tl.constexpr):
+        """One token: softmax of its router logits in float32, the top k (largest first),
+        their scores renormalised if asked, times the scaling factor."""
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, E_PAD)
+        logits = tl.load(logits_ptr + t * stride_logits + e, mask=e < num_experts,
+                         other=-float("inf")).to(tl.float32)
+        scores = tl.exp(logits - tl.max(logits, axis=0))
+        scores = scores / tl.sum(scores, axis=0)
+        left = tl.where(e < num_experts, scores, -1.0)  # padding is never chosen
+        slot = tl.arange(0, K_PAD)
+        picked = tl.zeros([K_PAD], dtype=tl.float32)
+        experts = tl.zeros([K_PAD], dtype=tl.int64)
+        for i in tl.static_range(TOP_K):
+            best = tl.argmax(left, axis=0)
+            picked = tl.where(slot == i, tl.max(left, axis=0), picked)
+            experts = tl.where(slot == i, best.to(tl.int64), experts)
+            left = tl.where(e == best, -1.0, left)
+        if NORMALIZE:
+            picked = picked / (tl.sum(picked, axis=0) + 1e-20)
+        picked = picked * scale
+        tl.store(weights_ptr + t * TOP_K + slot, picked.to(weights_ptr.dtype.element_ty),
+                 mask=slot < TOP_K)
+        tl.store(chosen_ptr + t * TOP_K + slot, experts, mask=slot < TOP_K)
+
+
+def route_softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool, scale: float,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy router in one launch: logits [T, E] -> (weights [T, k] in `dtype`, experts
+    [T, k] int64), as SparseMoE.route computes them (softmax in float32, top k largest first,
+    renormalised if `normalize`, times `scale`)."""
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=dtype, device=logits.device)
+    chosen = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens:
+        assert logits.stride(1) == 1
+        _route_kernel[(num_tokens,)](logits, weights, chosen, logits.stride(0), num_experts,
+                                     scale, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+                                     E_PAD=triton.next_power_of_2(num_experts),
+                                     NORMALIZE=normalize)
+    return weights, chosen
 
 
 # a program of the two routing launches holds [chunk, experts] one-hot rows: up to this many

@@ -72,6 +72,10 @@ class SparseMoE(nn.Module):
             logits = F.linear(x.float(), self.gate.weight.float())
         else:
             logits = F.linear(x, self.gate.weight)
+        if cfg.topk_method == "greedy" and self.backend is not None and self.backend.fused:
+            from shoal.model.fused_moe import route_softmax_topk  # one launch
+            return route_softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                      cfg.routed_scaling_factor, x.dtype)
         if cfg.topk_method == "noaux_tc":
             scores = logits.float().sigmoid()
             choice = scores + self.score_bias.float()
