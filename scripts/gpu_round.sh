@@ -2,6 +2,8 @@
 # One call's work on the lent GPU (see docs/benchmarks.md): the CUDA tests, then benchmarks.
 #   scripts/gpu_round.sh tests            CUDA tests + kernel tests (compiled Triton)
 #   scripts/gpu_round.sh bench SHAPE ...  shoal bench throughput for random:<shape>s
+#   scripts/gpu_round.sh pool SPEC ...     issue 25's grid: shoal bench ttft for each
+#                                         shape:prefix_tokens:source:rounds (source files|tier)
 #   scripts/gpu_round.sh moe              issue 30's figures: the fused MoE's tiles, the MoE
 #                                         and MLA decode step at batch 64 and 256, and
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
@@ -26,6 +28,13 @@ elif [ "$what" = moe ]; then
     qwen3-30b-a3b@8:256:256:32 deepseek-v2-lite@9:256:256:32
   python3 -m shoal bench ttft --model random:deepseek-v2-lite@9 --device cuda \
     --prefix-tokens 8192 --rounds 3 2>&1 | tee -a "$OUT/ttft.log" | tail -12
+elif [ "$what" = pool ]; then
+  for spec in "$@"; do  # shape:prefix_tokens:source:rounds
+    IFS=: read -r shape n source rounds <<<"$spec"
+    echo "== $spec" >>"$OUT/pool.log"
+    python3 -m shoal bench ttft --model "random:$shape" --device cuda --prefix-tokens "$n" \
+      --source "$source" --rounds "${rounds:-2}" 2>&1 | tee -a "$OUT/pool.log" | tail -6
+  done
 else
   for spec in "$@"; do  # shape:num_prompts:prompt_len:max_tokens
     IFS=: read -r shape n len toks <<<"$spec"
