@@ -197,6 +197,13 @@ def test_rates_are_kept_for_the_next_run(tmp_path):
     assert (q.prefill_tps.value, q.load_tps.value, q.load_latency_s.value) == (123.0, 456.0, 0.5)
     assert (q.host_load_tps.value, q.host_load_latency_s.value) == (789.0, 0.25)
     assert q.prefill_overhead_s == 0.01
+    # a file from before the prefill rate was counted in work: its load rates only
+    path.write_text(json.dumps({"prefill_tps": 123.0, "prefill_overhead_s": 0.01,
+                                "load_tps": 456.0}))
+    old = planner()
+    old.restore(path)
+    assert old.prefill_tps.value is None and old.prefill_overhead_s == 0.0
+    assert old.load_tps.value == 456.0
     path.write_text(json.dumps({"prefill_tps": "fast", "load_tps": True}))  # garbage: ignored
     r = planner()
     r.restore(path)
@@ -239,6 +246,11 @@ def test_a_long_front_costs_more_per_token_than_a_short_one():
     assert p.prefill_tps.value == pytest.approx(100_000)
     assert p.prefill_overhead_s == pytest.approx(0.005)
     p.observe_prefill([(0, 4096)], t(4096))  # a real step on the same curve: no change
+    assert p.prefill_tps.value == pytest.approx(100_000)
+    # a step with decodes deep in their contexts beside the chunk: their work counts too
+    decodes = [(30_000, 1)] * 8
+    p.observe_prefill([(0, 4096), *decodes],
+                      t(4096) + sum(p.work(s, n) for s, n in decodes) / 100_000)
     assert p.prefill_tps.value == pytest.approx(100_000)
     p.load_tps.value, p.load_latency_s.value = 100_000.0, 0.0
     flat = planner(prefill=100_000.0, load=100_000.0)

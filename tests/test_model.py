@@ -156,3 +156,18 @@ def test_attention_weight_is_a_pair_of_attention_against_a_token_through_the_wei
     experts = 2 * 3 * 48 * 40 + 48 * 8  # two experts' gate, up, down; the router
     assert moe.attention_weight() == pytest.approx(
         pair / (2 * attn + 3 * 48 * 32 + experts))
+    # over 2 ranks: TP halves heads, columns and experts (the router is whole on each
+    # rank); under ADP a rank's half of the MLP and of the experts, and its whole router,
+    # run both owners' tokens
+    from shoal.model.shard import Shard
+    tp, adp = Shard(rank=1, size=2), Shard(rank=1, size=2, gather=lambda t: t)
+    with torch.device("meta"):
+        split = {(s, name): LlamaModel(model.cfg, s) for s in (tp, adp)
+                 for name, model in (("dense", dense), ("moe", moe))}
+    for s in (tp, adp):
+        assert split[s, "dense"].attention_weight() == pytest.approx(dense.attention_weight())
+    router, routed = 48 * 8, 2 * 3 * 48 * 40
+    assert split[tp, "moe"].attention_weight() == pytest.approx(
+        pair / 2 / ((2 * attn + 3 * 48 * 32 + routed) / 2 + router))
+    assert split[adp, "moe"].attention_weight() == pytest.approx(
+        pair / (2 * attn + 3 * 48 * 32 + 2 * router + routed))

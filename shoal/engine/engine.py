@@ -392,7 +392,8 @@ class Engine:
 
 
 def _prefill_chunks(batch: ScheduledBatch) -> list[tuple[int, int]]:
-    """(start, num_tokens) of the batch's prefill chunks, if they are most of it (else none:
-    a step of decodes says little about the prefill rate)."""
-    chunks = [(c.start, c.num_tokens) for c in batch.chunks if c.num_tokens > 1]
-    return chunks if 2 * sum(n for _, n in chunks) >= batch.num_tokens else []
+    """(start, num_tokens) of the batch's chunks, decodes included, if prefill chunks are
+    most of it (else none: a step of decodes says little about the prefill rate)."""
+    prefill = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+    return ([(c.start, c.num_tokens) for c in batch.chunks]
+            if 2 * prefill >= batch.num_tokens else [])

@@ -24,7 +24,10 @@ from host memory (blocks the worker keeps in its host tier, as the connector's s
 side expects: `get_num_matched_host_tokens`), often 5-10x apart on a GPU; a hit's rate
 weighs the two by its share of each, and a finished load teaches the rate of the source
 most of it came from. While a rate is unknown the load goes on
-and the front waits (but no longer than half the time computing it all takes). Under TP
+and the front waits (but no longer than 5% of the time computing it all takes). A
+forward's cost grows with its context: the prefill rate is counted in units of work (a
+token, plus `attention_weight` per (query, key) pair: at the start of a context, about a
+token each), so a long front is not sized from a short forward's rate. Under TP
 every rank must decide alike: the lead rank's planner decides (KVTransfers shares its
 answers).
 """
@@ -64,6 +67,7 @@ ALL_AT_ONCE = 0.9
 # but slow to start loses its gain; one on a dead-slow store costs this much)
 UNKNOWN_LOAD_WAIT = 0.05
 RATE_NAMES = ("prefill_tps", "load_tps", "load_latency_s", "host_load_tps", "host_load_latency_s")
+PREFILL_UNIT = "work"  # the prefill rate's unit in a rates file (files before it: tokens)
 
 
 @dataclass
@@ -130,7 +134,8 @@ class LoadPlanner:
         self.prefill_tps.value = rate
 
     def observe_prefill(self, chunks: list[tuple[int, int]], seconds: float) -> None:
-        """A step of prefill chunks, (start, num_tokens) each, took `seconds`."""
+        """A step that is mostly prefill took `seconds`: its chunks, (start, num_tokens) each
+        (decodes too: one token deep in a context is work as well)."""
         busy = seconds - self.prefill_overhead_s
         if sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS and busy > seconds / 4:
             self.prefill_tps.add(sum(self.work(s, n) for s, n in chunks) / busy)
@@ -211,7 +216,8 @@ class LoadPlanner:
         if remaining - exact < bs:  # the load would not add a block: compute it all
             return FrontStep(min(remaining, self.max_num_tokens), landed_from)
         share = max(int(exact) // bs * bs, 0)
-        if share < max(bs, C * self.prefill_overhead_s):  # less than a forward's fixed cost
+        if share < bs or self.work(front, share) < C * self.prefill_overhead_s:  # less than
+            # a forward's fixed cost
             return FrontStep(0, 0)  # buys: the load lands it, the front waits
         # the share in one forward (a GPU's forward has a fixed cost worth not paying twice);
         # the load from where the share ends
@@ -258,8 +264,8 @@ class LoadPlanner:
             own = num_landed / streaming
             few = MIN_OWN_RATE_BLOCKS * self.block_size
             if (expected is None or num_landed >= few
-                    or own * OWN_RATE_SLACK < expected[0]
-                    and waited >= OWN_RATE_SLACK * (expected[1] + few / expected[0])):
+                    or (own * OWN_RATE_SLACK < expected[0]
+                        and waited >= OWN_RATE_SLACK * (expected[1] + few / expected[0]))):
                 return own, 0.0
         if expected is None:
             return None
@@ -277,6 +283,7 @@ class LoadPlanner:
         if all(v is None for v in rates.values()):
             return
         rates["prefill_overhead_s"] = self.prefill_overhead_s
+        rates["prefill_unit"] = PREFILL_UNIT
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -294,12 +301,14 @@ class LoadPlanner:
             return
         if not isinstance(rates, dict):
             return
-        for name in RATE_NAMES:
+        names = RATE_NAMES if rates.get("prefill_unit") == PREFILL_UNIT else RATE_NAMES[1:]
+        for name in names:  # (a prefill rate counted in another unit is measured anew)
             value = rates.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 getattr(self, name).add(float(value))
         overhead = rates.get("prefill_overhead_s")
-        if isinstance(overhead, (int, float)) and not isinstance(overhead, bool):
+        if (names is RATE_NAMES and isinstance(overhead, (int, float))
+                and not isinstance(overhead, bool)):
             self.prefill_overhead_s = min(max(float(overhead), 0.0), 1.0)
 
     def stats(self) -> dict[str, float]:

@@ -123,7 +123,8 @@ if HAS_TRITON:
         tl.store(dst + HALF, out2, mask=hm)
         # the cache entry: [RMSNorm(latent) | rotated key]
         block = tl.load(blocks_ptr + t).to(tl.int64)
-        slot = cache_ptr + block * stride_cache_block + tl.load(offsets_ptr + t).to(tl.int64) * stride_cache_slot
+        offset = tl.load(offsets_ptr + t).to(tl.int64)
+        slot = cache_ptr + block * stride_cache_block + offset * stride_cache_slot
         cols = tl.arange(0, LATENTP)
         cm = cols < LATENT
         latent = tl.load(kv_a_ptr + t * stride_kv_a + cols, mask=cm, other=0.0)
@@ -200,7 +201,8 @@ def mla_rope_store(q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tenso
     latent = kv_a.shape[1] - rope
     q_rot = torch.empty(num_tokens, heads, rope, dtype=q.dtype, device=q.device)
     if num_tokens:
-        assert q.stride(2) == 1 and kv_a.stride(1) == 1 and cache.stride(3) == 1
+        assert q.stride(2) == kv_a.stride(1) == cache.stride(3) == 1
+        assert cos.stride(1) == sin.stride(1) == 1
         _mla_rope_store_kernel[(num_tokens,)](
             q, q_rot, kv_a, norm_weight, cos, sin, cache, slot_blocks, slot_offsets,
             q.stride(0), q.stride(1), q_rot.stride(0), q_rot.stride(1), kv_a.stride(0),

@@ -174,22 +174,29 @@ class LlamaModel(nn.Module):
 
     def attention_weight(self) -> float:
         """What one (query, key) pair of prefill attention costs against one token through
-        the layers' weights: 2 (d_qk + d_v) FLOPs per head and layer against 2 per weight a
-        token meets (of the experts, the top k). A long prefill's per-token cost grows with
-        its context by this much (the load split's cost model)."""
+        the layers' weights, on this rank: 2 (d_qk + d_v) FLOPs per head and layer against
+        2 per weight a token meets (of the experts, k in E). Under ADP a rank's MLP and
+        experts run every owner's tokens (Shard.every_token), so a token of its own meets
+        size times their local share. A long prefill's per-token cost grows with its context
+        by this much (the load split's cost model). Not counted: MLA's expanded prefill also
+        runs kv_b over the context before each chunk."""
         cfg = self.cfg
         d_qk, d_v = ((cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim) if cfg.is_mla
                      else (cfg.head_dim, cfg.head_dim))
         pair = (d_qk + d_v) * self.layers[0].self_attn.num_heads * cfg.num_layers
-        weights = 0
-        for layer in self.layers:
-            for module in layer.modules():
-                if isinstance(module, nn.Linear):
-                    weights += module.weight.numel()
-                elif isinstance(module, SparseMoE):  # a token meets k of the experts
-                    k = cfg.num_experts_per_tok / module.num_local
-                    weights += k * (module.gate_up.numel() + module.down.numel())
-        return pair / weights if weights else 0.0
+        every_token = 1 if self.shard.shards_attention else self.shard.size
+
+        def weights(module: nn.Module) -> float:
+            if isinstance(module, nn.Linear):
+                return module.weight.numel()
+            if isinstance(module, SparseMoE):  # its router, k in E of the experts, shared
+                share = cfg.num_experts_per_tok / cfg.num_experts
+                return (module.gate.weight.numel() + weights(module.shared or nn.Module())
+                        + share * (module.gate_up.numel() + module.down.numel()))
+            return sum(weights(m) for m in module.children())
+        total = sum(weights(layer.self_attn) + every_token * weights(layer.mlp)
+                    for layer in self.layers)
+        return pair / total if total else 0.0
 
     def use_backend(self, backend) -> None:
         """Read and write the cache through `backend` from now on (every layer)."""

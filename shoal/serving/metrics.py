@@ -55,7 +55,8 @@ ENGINE_COUNTERS = (
 # engine gauges from stats: (shoal name, stats key, help)
 ENGINE_GAUGES = (
     ("prefill_tokens_per_second", "prefill_tokens_per_s",
-     "Measured prefill rate a load split weighs (0: not measured yet)"),
+     "Measured prefill rate a load split weighs, in tokens at the start of a context "
+     "(deeper in, a token costs more: docs/connectors.md; 0: not measured yet)"),
     ("pool_load_tokens_per_second", "load_tokens_per_s",
      "Measured KV pool load rate a load split weighs (0: not measured yet)"),
     ("pool_load_latency_seconds", "load_latency_s",

@@ -128,7 +128,8 @@ class RedisStore(BlockStore):
 
     # -- BlockStore ---------------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bool]:
+    def contains(self, keys: Sequence[bytes], stop_at_miss: bool = False,
+                 group: int = 1) -> list[bool]:  # one pipelined round trip for all of them
         if not keys:
             return []
         try:

@@ -68,10 +68,12 @@ class BlockStore(abc.ABC):
     """The place a pool connector keeps blocks. Thread-safe: the I/O threads share one."""
 
     @abc.abstractmethod
-    def contains(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bool]:
+    def contains(self, keys: Sequence[bytes], stop_at_miss: bool = False,
+                 group: int = 1) -> list[bool]:
         """Whether a block is published under each key (a hint: reads verify). With
-        stop_at_miss the answer may end after its first False. A store that cannot be
-        reached answers False (misses), never raises."""
+        stop_at_miss the answer may end after its first False; `group`: the keys come in
+        groups of this many (a block's TP shards), and a group counts as held only if all
+        of it is. A store that cannot be reached answers False (misses), never raises."""
 
     @abc.abstractmethod
     def read_unit(self, keys: Sequence[bytes], spec: BlockSpec) -> UnitReader:

@@ -188,7 +188,7 @@ class StoreScheduler(KvConnectorScheduler):
         if n == 1:
             return self.store.contains(keys, stop_at_miss)
         found = self.store.contains([shard_key(k, r, n) for k in keys for r in range(n)],
-                                    stop_at_miss)
+                                    stop_at_miss, group=n)
         return [all(found[i * n:(i + 1) * n]) for i in range(len(found) // n)]
 
     def request_finished(self, request: RequestView, block_ids: list[int]) -> bool:
