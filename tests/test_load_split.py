@@ -33,6 +33,21 @@ def test_a_store_slower_than_computing_is_not_loaded_at_all():
     assert d.load_from == 64
 
 
+def test_a_split_that_saves_less_than_a_forward_is_computed():
+    """A load at 1% of the prefill rate could take the hit's last block (they would end
+    together), but a hit that loads needs one more forward after it (the prompt's rest),
+    which computing the hit with the rest does not: saving 16 ms of a 2 s hit does not pay
+    a 50 ms forward."""
+    p = planner(prefill=1000.0, load=10.0)
+    p.prefill_overhead_s = 0.05
+    assert p.front_step(0, 0, 127, 127, None, 0.0).drop_to < 127  # the bare split
+    d = p.admit(0, 127)
+    assert d.load_from == 127 and d.first is None
+    q = planner(prefill=1000.0, load=1000.0)  # a load as fast as computing: it pays
+    q.prefill_overhead_s = 0.05
+    assert q.admit(0, 127).load_from < 127
+
+
 def test_a_store_much_faster_than_computing_loads_everything():
     d = planner(prefill=300.0, load=150_000.0, latency=0.001).admit(2, 130)
     assert d.load_from == 2 and d.first.num_tokens == 0  # not one block could be computed first
@@ -49,7 +64,8 @@ def test_a_forward_s_fixed_cost_moves_the_split_towards_the_load():
     p = planner(prefill=100_000.0, load=100_000.0)
     p.prefill_overhead_s = 0.01  # 1000 tokens' worth
     d = p.admit(0, 512)
-    assert d.load_from == (4096 - 500) // BS * BS // BS  # the front gives up half of it
+    # the front gives up half of it (the exact share is 3596 tokens: the nearer boundary)
+    assert d.load_from == 225
     p.prefill_overhead_s = 0.05  # a forward costs more than the load of its share saves
     assert p.admit(0, 512).first.num_tokens == 0
 
@@ -180,8 +196,9 @@ def test_a_hit_weighs_the_two_load_rates_by_its_share_of_each():
     d = p.admit(0, 64, host_share=1.0)  # from host memory: loaded, the front waits
     assert d.load_from == 0 and d.first.num_tokens == 0
     assert p.expected_rate(0.5) == pytest.approx((1 / (0.5 / 1e6 + 0.5 / 100.0), 0.0))
-    # half from the store: L = 200/s, the load takes n * L / (C + L) = 20 tokens' worth: 2 blocks
-    assert p.admit(0, 64, host_share=0.5).load_from == 62
+    # half from the store: L = 200/s, the load takes n * L / (C + L) = 20 tokens' worth: of
+    # 1 and 2 blocks, the one where both end sooner (2 blocks' load alone takes 0.16 s)
+    assert p.admit(0, 64, host_share=0.5).load_from == 63
     q = planner(prefill=10_000.0, load=100.0)  # host memory not measured yet: as the store
     assert q.expected_rate(1.0) == (100.0, 0.0) and q.admit(0, 64, host_share=1.0).load_from == 64
 

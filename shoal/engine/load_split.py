@@ -181,10 +181,25 @@ class LoadPlanner:
     def admit(self, first: int, end: int, host_share: float = 0.0) -> LoadDecision:
         """A hit of blocks [first, end) of a request that can compute while loading,
         `host_share` of it expected from host memory."""
-        step = self.front_step(first * self.block_size, first, end, end, None, 0.0, host_share)
+        front, remaining = first * self.block_size, (end - first) * self.block_size
+        step = self.front_step(front, first, end, end, None, 0.0, host_share)
         if step.drop_to >= end:  # computing it all is faster: nothing is loaded
             return LoadDecision(end, None)
+        C, rate = self.prefill_tps.value, self.expected_rate(host_share)
+        # a hit that loads ends with one more forward (the rest of the prompt after the
+        # landed blocks) than computing it, which is one prefill with the rest: the load
+        # must save more than that forward's fixed cost
+        if C is not None and rate is not None and (
+                self.work(front, remaining) / C
+                < self._ends(front, step.num_tokens, remaining, C, *rate)):
+            return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
+
+    def _ends(self, front: int, x: int, remaining: int, C: float, L: float,
+              latency: float) -> float:
+        """When a front of x of the `remaining` tokens and a load of the rest both end."""
+        computed = self.prefill_overhead_s + self.work(front, x) / C if x else 0.0
+        return max(computed, latency + (remaining - x) / L)
 
     def front_step(self, front: int, writes_from: int, landed_from: int, end: int,
                    started: float | None, now: float, host_share: float = 0.0) -> FrontStep:
@@ -216,6 +231,11 @@ class LoadPlanner:
         if remaining - exact < bs:  # the load would not add a block: compute it all
             return FrontStep(min(remaining, self.max_num_tokens), landed_from)
         share = max(int(exact) // bs * bs, 0)
+        # of the block boundaries around the exact share, the one where both sides end
+        # sooner (with a slow store, the block rounding down gives the load costs more)
+        if (share + bs < remaining and self._ends(front, share + bs, remaining, C, L, latency)
+                < self._ends(front, share, remaining, C, L, latency)):
+            share += bs
         if share < bs or self.work(front, share) < C * self.prefill_overhead_s:  # less than
             # a forward's fixed cost
             return FrontStep(0, 0)  # buys: the load lands it, the front waits
