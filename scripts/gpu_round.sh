@@ -8,7 +8,8 @@
 #                                         and MLA decode step at batch 64 and 256, and
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
 # Before spending device time: `env -u TRITON_INTERPRET .venv/bin/python
-# scripts/compile_kernels.py` compiles the newest kernels for sm_90 here, without a GPU.
+# scripts/compile_kernels.py` compiles the newest kernels for sm_90 here, without a GPU, and
+# `scripts/device_prep.sh` makes .whl and .tok (what the device lacks; carry both).
 # Results go to $OUT (or ./gpu-out); the device machine's python3 has torch, Triton and
 # transformers; Shoal's pure-Python needs beyond those travel in .whl if missing.
 set -uo pipefail
