@@ -46,6 +46,12 @@ def test_a_split_that_saves_less_than_a_forward_is_computed():
     q = planner(prefill=1000.0, load=1000.0)  # a load as fast as computing: it pays
     q.prefill_overhead_s = 0.05
     assert q.admit(0, 127).load_from < 127
+    # also when a step's budget takes less than the front's share at once (the split: 1104
+    # tokens computed, 2 steps' worth; the rest loaded at 800/s: both end after ~1.2 s)
+    r = planner(prefill=1000.0, load=800.0, max_num_tokens=256)
+    r.prefill_overhead_s = 0.05
+    d = r.admit(0, 127)
+    assert d.load_from < 127 and d.first.num_tokens == 256
 
 
 def test_a_store_much_faster_than_computing_loads_everything():

@@ -189,9 +189,10 @@ class LoadPlanner:
         # a hit that loads ends with one more forward (the rest of the prompt after the
         # landed blocks) than computing it, which is one prefill with the rest: the load
         # must save more than that forward's fixed cost
+        share = max(step.drop_to * self.block_size - front, 0)  # (the first step's tokens
+        # may be fewer: a step's budget caps them)
         if C is not None and rate is not None and (
-                self.work(front, remaining) / C
-                < self._ends(front, step.num_tokens, remaining, C, *rate)):
+                self.work(front, remaining) / C < self._ends(front, share, remaining, C, *rate)):
             return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
 
