@@ -5,7 +5,7 @@
 The CPU tests run the kernels through Triton's interpreter, which accepts some programs the
 compiler refuses; GPU time is scarce, so this compiles them ahead of time (Triton's own
 ptxas, no driver needed) at the shapes a GPU run uses: the MLA decode kernel with and
-without context splits and their fold, MLA's rope + norm + cache write, the fused MoE's
+without context splits and their fold, the dense rope, MLA's rope + norm + cache write, the fused MoE's
 router, its two GEMMs and its routing layout.
 Prints one line per kernel; exits 1 if any fails. The lent GPU's Triton may be older than
 this machine's, so a pass here is a good sign, not a proof.
@@ -51,6 +51,9 @@ def cases():
     yield "mla combine, 4 splits", mla._mla_combine_kernel, *signature(
         {"part_ptr": "fp32", "stats_ptr": "fp32", "o_ptr": "bf16"}, ["stride_ob", "stride_oh"],
         dict(H=16, HT=16, L=512, SPLITS=4))
+    yield "rope, Llama-3.2-1B's 32 + 8 heads", ops._rope_kernel, *signature(
+        {"qkv_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16"},
+        ["stride_t", "stride_cos", "stride_sin", "num_heads"], dict(HALF=32, HP=64, HALFP=32))
     for heads, interleaved in ((16, True), (128, True), (16, False)):  # V2-Lite, V3 (TP 1)
         sig, consts = signature(
             {"q_ptr": "bf16", "q_rot_ptr": "bf16", "kv_a_ptr": "bf16", "w_ptr": "bf16",

@@ -322,14 +322,14 @@ class LoadPlanner:
             return
         if not isinstance(rates, dict):
             return
-        names = RATE_NAMES if rates.get("prefill_unit") == PREFILL_UNIT else RATE_NAMES[1:]
-        for name in names:  # (a prefill rate counted in another unit is measured anew)
+        same_unit = rates.get("prefill_unit") == PREFILL_UNIT  # (a prefill rate counted in
+        # another unit is measured anew)
+        for name in RATE_NAMES if same_unit else RATE_NAMES[1:]:
             value = rates.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 getattr(self, name).add(float(value))
         overhead = rates.get("prefill_overhead_s")
-        if (names is RATE_NAMES and isinstance(overhead, (int, float))
-                and not isinstance(overhead, bool)):
+        if same_unit and isinstance(overhead, (int, float)) and not isinstance(overhead, bool):
             self.prefill_overhead_s = min(max(float(overhead), 0.0), 1.0)
 
     def stats(self) -> dict[str, float]:

@@ -63,6 +63,17 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _rotate(x1, x2, c, s):
+        """(x1 cos - x2 sin, x2 cos + x1 sin), each product rounded to x's dtype (as
+        apply_rope's ops round them: x * cos + rotate_half(x) * sin,
+        rotate_half(x) = [-x2, x1])."""
+        dtype = x1.dtype
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        out1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
+        out2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
+        return out1.to(dtype), out2.to(dtype)
+
+    @triton.jit
     def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, stride_t, stride_cos, stride_sin,
                      num_heads, HALF: tl.constexpr, HP: tl.constexpr, HALFP: tl.constexpr):
         """Rows of q heads then k heads (contiguous at the start of a qkv row), rotated."""
@@ -73,26 +84,12 @@ if HAS_TRITON:
         first = qkv_ptr + t * stride_t + heads[:, None] * (2 * HALF) + j[None, :]
         x1 = tl.load(first, mask=mask, other=0.0)
         x2 = tl.load(first + HALF, mask=mask, other=0.0)
-        dtype = x1.dtype
         # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves
         c = tl.load(cos_ptr + t * stride_cos + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + t * stride_sin + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product rounds
-        out1 = (a1 * c).to(dtype).to(tl.float32) + (-(a2 * s)).to(dtype).to(tl.float32)
-        out2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
-        tl.store(first, out1.to(dtype), mask=mask)
-        tl.store(first + HALF, out2.to(dtype), mask=mask)
-
-    @triton.jit
-    def _rotate(x1, x2, c, s):
-        """(x1 cos - x2 sin, x2 cos + x1 sin), each product rounded to x's dtype (as
-        apply_rope's ops round them)."""
-        dtype = x1.dtype
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        out1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
-        out2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
-        return out1.to(dtype), out2.to(dtype)
+        out1, out2 = _rotate(x1, x2, c, s)
+        tl.store(first, out1, mask=mask)
+        tl.store(first + HALF, out2, mask=mask)
 
     @triton.jit
     def _mla_rope_store_kernel(q_ptr, q_rot_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr,

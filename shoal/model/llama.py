@@ -191,7 +191,8 @@ class LlamaModel(nn.Module):
                 return module.weight.numel()
             if isinstance(module, SparseMoE):  # its router, k in E of the experts, shared
                 share = cfg.num_experts_per_tok / cfg.num_experts
-                return (module.gate.weight.numel() + weights(module.shared or nn.Module())
+                shared = 0 if module.shared is None else weights(module.shared)
+                return (module.gate.weight.numel() + shared
                         + share * (module.gate_up.numel() + module.down.numel()))
             return sum(weights(m) for m in module.children())
         total = sum(weights(layer.self_attn) + every_token * weights(layer.mlp)
