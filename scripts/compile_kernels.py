@@ -6,7 +6,7 @@ The CPU tests run the kernels through Triton's interpreter, which accepts some p
 compiler refuses; GPU time is scarce, so this compiles them ahead of time (Triton's own
 ptxas, no driver needed) at the shapes a GPU run uses: the MLA decode kernel with and
 without context splits and their fold, the dense rope, MLA's rope + norm + cache write, the fused MoE's
-router, its two GEMMs and its routing layout.
+router, its two GEMMs and its routing layout; structured output's logit mask.
 Prints one line per kernel; exits 1 if any fails. The lent GPU's Triton may be older than
 this machine's, so a pass here is a good sign, not a proof.
 """
@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import shoal.model.fused_moe as moe  # noqa: E402
 import shoal.model.fused_ops as ops  # noqa: E402
 import shoal.model.paged_mla as mla  # noqa: E402
+import shoal.structured_output as so  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -93,6 +94,9 @@ def cases():
             {"chosen_ptr": "i64", "counts_ptr": "i32", "ahead_ptr": "i64", "row_ids_ptr": "i32",
              "tile_expert_ptr": "i32"}, ["first", "num", "num_chunks", "num_tiles"],
             dict(CHUNK=chunk, NUM_EXPERTS=experts, E_PAD=e_pad, BLOCK_M=16, TILE_BLOCK=64))
+    yield "structured output's mask, 49k vocabulary", so._mask_kernel, *signature(
+        {"logits_ptr": "fp32", "rows_ptr": "i64", "mask_ptr": "i32", "stops_ptr": "i64"},
+        ["stride", "mask_stride", "vocab"], dict(BLOCK=4096))
 
 
 def main() -> int:

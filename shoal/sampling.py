@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.logits_processing import TokenCounts, add_at, apply_penalties, min_p_filter
-from shoal.structured_output import Grammars, StructuredOutput, allowed_tokens
+from shoal.structured_output import Grammars, StructuredOutput, mask_logits_
 from shoal.util import HostCopy, to_device
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch.Generator takes
@@ -245,10 +245,12 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor, rows) -> torch.Tensor:
         """logits [N, vocab] float32 -> [N] int64 token ids on the logits' device."""
         params = [r.sampling for r in rows]
-        logits, counted = self._shape(logits, rows)
+        shaped, counted = self._shape(logits, rows)
         structured = [i for i, sp in enumerate(params) if sp.structured_output is not None]
         if structured:
-            logits, structured_index = self._constrain(logits, rows, structured)
+            shaped, structured_index = self._constrain(shaped, rows, structured,
+                                                       own=shaped is not logits)
+        logits = shaped
         tokens = logits.argmax(dim=-1)
         picked = [i for i, sp in enumerate(params) if not sp.is_greedy]
         if picked:
@@ -291,26 +293,24 @@ class Sampler:
             self._unread = None
             self.grammars.advance(request_ids, tokens.tolist())
 
-    def _constrain(self, logits: torch.Tensor, rows, structured: list[int]):
+    def _constrain(self, logits: torch.Tensor, rows, structured: list[int], own: bool):
         """(logits with every token the structured rows' grammars forbid at -inf, those
         rows' index on the device). A row left with no token gets its first stop token
-        (it ends; never a failure)."""
+        (it ends; never a failure). `own`: `logits` is this call's copy (else copied)."""
         if self.grammars is None:
             raise RuntimeError("structured output needs the model's tokenizer")
-        device, vocab = logits.device, logits.shape[1]
         sub_rows = [rows[i] for i in structured]
         prepared = self._masks is not None and self._masks[0] == [r.request_id for r in sub_rows]
         bitmask = self._wait_for_masks()
         if not prepared:  # not started by `prepare` (or for other rows): here
             bitmask = self._fill_masks(sub_rows)
-        allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab)
-        index = to_device(structured, device)
-        sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-        stop = to_device([min(r.stop_token_ids, default=0) for r in sub_rows], device)
-        dead = torch.isinf(sub.max(dim=1).values)
-        at = (torch.arange(len(sub_rows), device=device), stop)
-        sub.index_put_(at, torch.where(dead, 0.0, sub[at]))
-        return logits.index_copy(0, index, sub), index
+        # the rows and their stop tokens in one copy
+        at = to_device(structured + [min(r.stop_token_ids, default=0) for r in sub_rows],
+                       logits.device)
+        index, stops = at[:len(structured)], at[len(structured):]
+        logits = logits if own else logits.clone()
+        mask_logits_(logits, index, bitmask.to(logits.device, non_blocking=True), stops)
+        return logits, index
 
     def _shape(self, logits: torch.Tensor, rows):
         """(logits with each row's own settings applied, (batch rows, slab rows) of the

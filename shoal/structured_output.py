@@ -146,3 +146,51 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = torch.ones_like(shifts) << shifts  # made on the device (no host copy); 1 << 31 wraps
     return (bitmask[:, :, None] & bits != 0).flatten(1)[:, :vocab_size]
+
+
+def mask_logits_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                 stops: torch.Tensor, kernel: bool | None = None) -> None:
+    """In place, for each r: every token row `rows[r]` of `logits` [N, vocab] may not take
+    (bit clear in `bitmask[r]`) goes to -inf; if none is left above -inf, its stop token
+    `stops[r]` gets 0, so it is drawn (the request ends). All on the logits' device; on a
+    GPU one kernel launch (the same in torch ops is ~15). `kernel`: the Triton kernel
+    (default: on a GPU) or torch ops (its reference; on CPU tensors the kernel runs
+    through Triton's interpreter)."""
+    if logits.is_cuda and triton is not None if kernel is None else kernel:
+        vocab = logits.shape[1]
+        _mask_kernel[(rows.numel(),)](logits, logits.stride(0), rows, bitmask,
+                                      bitmask.stride(0), stops, vocab,
+                                      BLOCK=min(4096, triton.next_power_of_2(vocab)))
+        return
+    sub = logits.index_select(0, rows)
+    sub = torch.where(allowed_tokens(bitmask, logits.shape[1]), sub, float("-inf"))
+    dead = torch.isinf(sub.max(dim=1).values)
+    at = (torch.arange(rows.numel(), device=logits.device), stops)
+    sub.index_put_(at, torch.where(dead, 0.0, sub[at]))
+    logits.index_copy_(0, rows, sub)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheel of torch comes without Triton: the torch ops run
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _mask_kernel(logits_ptr, stride, rows_ptr, mask_ptr, mask_stride, stops_ptr, vocab,
+                     BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        row = logits_ptr + tl.load(rows_ptr + r).to(tl.int64) * stride
+        words = mask_ptr + r.to(tl.int64) * mask_stride
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            v = start + tl.arange(0, BLOCK)
+            inside = v < vocab
+            word = tl.load(words + v // 32, mask=inside, other=0)
+            x = tl.load(row + v, mask=inside, other=float("-inf"))
+            x = tl.where((word >> (v % 32)) & 1 != 0, x, float("-inf"))
+            tl.store(row + v, x, mask=inside)
+            best = tl.maximum(best, x.to(tl.float32))
+        stop = tl.load(stops_ptr + r)
+        tl.store(row + stop, 0.0, mask=tl.max(best, axis=0) == float("-inf"))

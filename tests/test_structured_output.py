@@ -9,8 +9,10 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from shoal import LLM, SamplingParams, StructuredOutput
+from shoal.structured_output import mask_logits_
 
 PERSON = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "languages"],
@@ -119,3 +121,36 @@ def test_a_constraint_never_fails_a_request(smollm2):
 def test_invalid_constraints_name_the_field(fields, needle):
     with pytest.raises((TypeError, ValueError), match=needle):
         StructuredOutput(**fields)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_masking_keeps_exactly_the_allowed_tokens(kernel):
+    """`mask_logits_` (Triton kernel: compiled on a GPU, else Triton's interpreter; or its
+    torch ops) against bits read one by one: a vocabulary that is no multiple of 32 or of
+    the kernel's tile, rows in any order, a row with no bit set and one whose only allowed
+    tokens are already -inf (both: only the stop token, at 0), the other rows untouched."""
+    if kernel and mask_logits_.__globals__["triton"] is None:
+        pytest.skip("Triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab, words = 5003, (5003 + 31) // 32
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, vocab, generator=g)
+    bitmask = torch.randint(-2**31, 2**31, (4, words), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32) & torch.randint(0, 2**31, (4, words), generator=g,
+                                                      dtype=torch.int64).to(torch.int32)
+    bitmask[1] = 0  # a dead end
+    bitmask[2] = 0
+    bitmask[2, 3] = 1 << 4  # token 100 only, which a bias already barred
+    logits[3, 100] = float("-inf")
+    rows, stops = torch.tensor([5, 0, 3, 6]), torch.tensor([2, 7, 9, 11])
+    bits = (bitmask.long()[:, :, None] >> torch.arange(32)) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    want = logits.clone()
+    for r, row in enumerate(rows.tolist()):
+        want[row][~allowed[r]] = float("-inf")
+        if torch.isinf(want[row]).all():
+            want[row, stops[r]] = 0.0
+    got = logits.to(device)
+    mask_logits_(got, rows.to(device), bitmask.to(device), stops.to(device), kernel=kernel)
+    assert torch.equal(got.cpu(), want)
+    assert (got.cpu()[5] != float("-inf")).sum() == allowed[0].sum()  # a live row stays live
