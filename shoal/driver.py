@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
+from shoal.engine.build import collect_what_was_shut_down
 from shoal.engine.engine import EngineLike
 from shoal.request import NewRequest, RequestOutput, StepResult
 
@@ -208,20 +209,25 @@ class Driver:
         return result_of(self.run_soon(lambda engine: self._add_all(engine, requests, streams)))
 
     def stop(self) -> None:
-        """Drain and shut the engine down as the driver's last operation; end the thread.
-        Handles of requests cancelled by the drain get their outputs; any left (a fleet
-        stops its ranks itself) get an error."""
-        if self._thread is None or self._error is not None:
-            self._stopped = True
-            self._last(self.engine)
-            return
-        fut = self.run_soon(self._last)
-        self._stopped = True
-        self._wake.set()
+        """Drain and shut the engine down as the driver's last operation; end the thread;
+        let the engine go (its weights and KV memory are freed here). Handles of requests
+        cancelled by the drain get their outputs; any left (a fleet stops its ranks itself)
+        get an error."""
         try:
-            fut.result()
+            if self._thread is None or self._error is not None:
+                self._stopped = True
+                self._last(self.engine)
+                return
+            fut = self.run_soon(self._last)
+            self._stopped = True
+            self._wake.set()
+            try:
+                fut.result()
+            finally:
+                self._thread.join()
         finally:
-            self._thread.join()
+            self.engine = None  # its memory goes back now, not at the process's exit
+            collect_what_was_shut_down()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the engine has no work: every request ended and was handed back (its

@@ -80,6 +80,18 @@ def freeze_what_was_built() -> None:
 atexit.register(gc.unfreeze)  # a no-op when nothing was frozen
 
 
+def collect_what_was_shut_down() -> None:
+    """After an engine shut down and was let go: its objects were frozen with the rest at
+    its bring-up, out of the cyclic collector's reach, so the cycles among them (the model's
+    modules, the front's callbacks) would keep its weights and KV memory for the life of
+    the process (on a GPU, each engine a process builds after another would add its own
+    until one no longer fits). Collect once with everything thawed; freeze the survivors
+    (other engines, the libraries) again."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 def _allocate(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """Uninitialised storage on `device` for each parameter and buffer on the meta device
     (the weights are loaded next). As Module.to_empty, without its empty_like, whose meta
