@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -225,9 +226,10 @@ class Driver:
                 fut.result()
             finally:
                 self._thread.join()
-        finally:
-            self.engine = None  # its memory goes back now, not at the process's exit
-            collect_what_was_shut_down()
+        finally:  # its memory goes back now, not at the process's exit
+            engine, self.engine = weakref.ref(self.engine), None
+            if engine() is not None:  # held by a cycle: out of the collector's reach
+                collect_what_was_shut_down()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the engine has no work: every request ended and was handed back (its

@@ -68,24 +68,35 @@ def test_handles_submitted_without_streaming_keep_only_the_result(tiny_model):
         assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("started", [False, True], ids=["never-started", "driver-thread"])
-def test_shutdown_lets_the_engine_go(tiny_model, tmp_path, started):
-    """At bring-up everything alive is frozen out of the cyclic collector's reach, the
-    engine's own cycles included: without a collection at shutdown, each engine a process
-    built kept its weights and KV memory to the end (a GPU ran out at the fifth 8B engine
-    of `bench ttft`). Freed at shutdown, though the LLM itself is still referenced; an
-    engine built afterwards runs."""
+@pytest.mark.parametrize("started, cycle", [(False, False), (True, False), (True, True)],
+                         ids=["never-started", "driver-thread", "held-by-a-cycle"])
+def test_shutdown_lets_the_engine_go(tiny_model, tmp_path, monkeypatch, started, cycle):
+    """At bring-up everything alive is frozen out of the cyclic collector's reach: a
+    shut-down engine that a reference cycle held kept its weights and KV memory to the end
+    of the process (a GPU ran out at the fifth 8B engine of `bench ttft`). Freed at
+    shutdown, though the LLM itself is still referenced: at once when no cycle holds the
+    engine (none does today), else by one collection with everything thawed, after which
+    the survivors are frozen again. An engine built afterwards runs."""
     import gc
     import weakref
 
+    import shoal.driver
+
+    collections = []
+    collect = shoal.driver.collect_what_was_shut_down
+    monkeypatch.setattr(shoal.driver, "collect_what_was_shut_down",
+                        lambda: (collections.append(1), collect()))
     with LLM(tiny_model, num_kv_blocks=64, kv_pool=str(tmp_path)) as llm:
         if started:
             llm.generate([[5, 6, 7, 8] * 4], SamplingParams(max_tokens=3))
         engine = llm.engine
+        if cycle:
+            engine.runner.engine = engine
         gone = [weakref.ref(engine), weakref.ref(engine.runner.model),
                 weakref.ref(engine.kv_cache)]
         del engine
     assert [ref() for ref in gone] == [None] * 3
+    assert len(collections) == cycle
     assert gc.get_freeze_count() > 0  # the survivors are frozen again
     with LLM(tiny_model, num_kv_blocks=64) as again:
         assert len(again.generate([[5, 6, 7, 8] * 4], SamplingParams(max_tokens=3))[0]

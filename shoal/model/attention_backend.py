@@ -12,10 +12,18 @@ A backend holds no state of its own: the model's layers share one.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shoal.util import to_device
+
+# SDPA's backends on a GPU, cuDNN's left out: PyTorch tries it first on H100/H200 with a
+# recent cuDNN, and it builds an execution plan for each new shape (hundreds of ms, per
+# the reports of SGLang and MLX), so every new context length would pay one
+GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchBackend:
@@ -103,15 +111,17 @@ def causal_attention(q, keys, values, scale: float | None = None):
     n, ctx = q.shape[0], keys.shape[1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    if n == ctx:
-        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-    else:
-        # Query i sits at position ctx - n + i and sees keys j <= that position.
-        q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+    gqa = keys.shape[1] != q.shape[1]  # (set alone, the flag may bar a kernel that needs none)
+    with _sdpa_backends(q):
+        if n == ctx:
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+        else:
+            # Query i sits at position ctx - n + i and sees keys j <= that position.
+            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)  # [n, Hq, Dv]
 
 
@@ -126,6 +136,11 @@ def decode_attention(q, table, ctxs: list[int], k_cache, v_cache, scale: float |
     if min(ctxs) != ctx:
         lens = to_device(ctxs, q.device)
         mask = (torch.arange(ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                       scale=scale, enable_gqa=True)
+    with _sdpa_backends(q):
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
     return o.squeeze(2)  # [B, Hq, Dv]
+
+
+def _sdpa_backends(q: torch.Tensor):
+    return sdpa_kernel(GPU_SDPA) if q.is_cuda else contextlib.nullcontext()
