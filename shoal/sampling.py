@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -212,16 +212,18 @@ class Sampler:
         # host), given to the matchers at the next call, which waits for that copy only
         # (the forward of the next step runs meanwhile)
         self._unread: tuple[list[str], HostCopy] | None = None
-        # the masks `prepare` is computing on a worker thread: (request ids, future)
+        # the masks `prepare` is computing on a worker thread for the next sample:
+        # (request ids, future)
         self._masks: tuple[list[str], Future] | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
 
     def prepare(self, rows) -> None:
-        """Start the masks of the constrained rows of the coming sample on a worker thread,
-        so they are computed while the forward runs (the matchers first take the tokens of
-        the last call, which the device may still be drawing). For a forward that holds the
-        calling thread (a CPU's); after a GPU forward's launch `sample_on_device` computes
-        them itself, with no thread to hand over to."""
+        """Start the masks of `rows` (constrained requests just sampled) for the next sample
+        on a worker thread: the matchers take the tokens just drawn (the wait for their copy
+        off the device is the worker's), then the rows' masks are filled. So they are
+        computed while the host launches the next forward and the device runs it, not in
+        series with it; the next sample uses them if it samples the same requests in the
+        same order (a decode batch in steady state), else fills its own."""
         constrained = [r for r in rows if r.sampling.structured_output is not None]
         if not constrained or self.grammars is None:
             return
@@ -273,12 +275,15 @@ class Sampler:
         if structured:
             self._unread = ([rows[i].request_id for i in structured],
                             HostCopy(tokens.index_select(0, structured_index)))
+            self.prepare([rows[i] for i in structured])
         for r in rows:
             if r.sampling.min_tokens:
                 self._num_sampled[r.request_id] = self._num_sampled.get(r.request_id, 0) + 1
         return tokens
 
     def forget(self, request_id: str) -> None:
+        if self._masks is not None:  # the worker may be using this request's matcher
+            wait([self._masks[1]])
         self._draws.pop(request_id, None)
         self._num_sampled.pop(request_id, None)
         if self._counts is not None:

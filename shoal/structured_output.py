@@ -133,7 +133,8 @@ class Grammars:
         """Each request's matcher takes its sampled token."""
         for rid, token in zip(request_ids, tokens):
             m = self._matchers.get(rid)
-            if m is not None and not m.is_stopped() and not m.consume_token(token):
+            if m is not None and not m.is_stopped() and not m.consume_token(token) \
+                    and token not in self._eos:  # (a dead end's forced stop ends it anyway)
                 log.warning("structured output of %s: token %d refused (%s); it ends at its "
                             "next token", rid, token, m.get_error())
 

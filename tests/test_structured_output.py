@@ -81,14 +81,15 @@ def test_the_overlap_loop_gives_the_same_constrained_tokens(smollm2_path, smollm
 
 
 def test_masks_filled_in_the_sample_give_the_same_tokens(smollm2):
-    """On a GPU the masks are filled inside the sample, after the forward's launch, not on a
-    worker thread (`prepare`, which a CPU forward uses): the same tokens either way."""
+    """The masks of the next sample are started on a worker thread at the end of each
+    sample (`prepare`); a sample that finds none for its rows fills its own: the same
+    tokens either way."""
     sps = [SamplingParams(max_tokens=40, structured_output=StructuredOutput(json_schema=PERSON)),
            SamplingParams(max_tokens=40, temperature=0.8, seed=5,
                           structured_output=StructuredOutput(regex="[A-Z][a-z]+( [a-z]+)*\\."))]
     on_a_thread = [o.token_ids for o in smollm2.chat([ASK, ASK], sps)]
     sampler = smollm2.engine.runner.sampler
-    sampler.prepare = lambda rows: None  # as on a GPU
+    sampler.prepare = lambda rows: None  # none prepared ahead
     try:
         in_the_sample = [o.token_ids for o in smollm2.chat([ASK, ASK], sps)]
     finally:

@@ -108,9 +108,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device,
                                   self.info.max_model_len, config.max_batch_size,
                                   config.enforce_eager)
-        # structured output reads the vocabulary's text (the tokenizer loads at first use;
-        # the callable holds the tokenizer, not the engine: no cycle keeps a shut-down engine)
-        tokenizer = self.tokenizer
+        # structured output reads the vocabulary's text (the tokenizer loads at first use)
+        tokenizer = self.tokenizer  # the callable holds it alone: no cycle keeps the engine
         self.runner.sampler.grammars = Grammars(lambda: tokenizer.hf, self.info.vocab_size,
                                                 self.eos_token_ids)
         if self.transfers is not None and self.transfers.partial_loads:

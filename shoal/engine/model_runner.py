@@ -83,9 +83,6 @@ class ModelRunner:
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
         `layer_hooks` (the connector's worker hooks) are called around every layer."""
         sampling = [c for c in batch.chunks if c.is_sampling]
-        if self.device.type == "cpu":  # the forward holds this thread: grammar masks on a
-            self.sampler.prepare([c.request for c in sampling])  # worker meanwhile (on a GPU
-            # the forward is only launched: `sample_on_device` fills them while it runs)
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_replay(batch):
                 logits = self.graphs.replay(batch, self, layer_hooks)
