@@ -7,6 +7,8 @@
 #   scripts/gpu_round.sh moe              issue 30's figures: the fused MoE's tiles, the MoE
 #                                         and MLA decode step at batch 64 and 256, and
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
+#   scripts/gpu_round.sh mla              MLA's expanded attention with and without cuDNN's
+#                                         SDPA, and V2-Lite's 8k TTFT from the pool either way
 # Before spending device time: `env -u TRITON_INTERPRET .venv/bin/python
 # scripts/compile_kernels.py` compiles the newest kernels for sm_90 here, without a GPU, and
 # `scripts/device_prep.sh` makes .whl and .tok (what the device lacks; carry both).
@@ -30,6 +32,13 @@ elif [ "$what" = moe ]; then
     qwen3-30b-a3b@8:256:256:32 deepseek-v2-lite@9:256:256:32
   python3 -m shoal bench ttft --model random:deepseek-v2-lite@9 --device cuda \
     --prefix-tokens 8192 --rounds 3 2>&1 | tee -a "$OUT/ttft.log" | tail -12
+elif [ "$what" = mla ]; then
+  python3 scripts/mla_sdpa_probe.py 2>&1 | tee "$OUT/mla_probe.txt"
+  for mode in ttft ttft-cudnn; do
+    echo "== $mode" >>"$OUT/mla_ttft.log"
+    python3 scripts/mla_sdpa_probe.py "$mode" --model random:deepseek-v2-lite@9 --device cuda \
+      --prefix-tokens 8192 --rounds 2 2>&1 | tee -a "$OUT/mla_ttft.log" | tail -6
+  done
 elif [ "$what" = pool ]; then
   for spec in "$@"; do  # shape:prefix_tokens:source:rounds
     IFS=: read -r shape n source rounds <<<"$spec"
