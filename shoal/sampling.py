@@ -237,6 +237,25 @@ class Sampler:
         self._read_back()
         return self.grammars.bitmask(rows)
 
+    def _masks_of(self, rows) -> torch.Tensor:
+        """The rows' masks: those `prepare` filled ahead (after the last sample), the rest
+        (requests that were not in it) filled here."""
+        ahead_ids = self._masks[0] if self._masks is not None else []
+        ahead = self._wait_for_masks()
+        if ahead_ids == [r.request_id for r in rows]:  # a decode batch in steady state
+            return ahead
+        at = {rid: i for i, rid in enumerate(ahead_ids)}
+        kept = [j for j, r in enumerate(rows) if r.request_id in at]
+        if not kept:
+            return self._fill_masks(rows)
+        out = torch.empty(len(rows), ahead.shape[1], dtype=ahead.dtype,
+                          pin_memory=ahead.is_pinned())
+        out[kept] = ahead[[at[rows[j].request_id] for j in kept]]
+        new = [j for j, r in enumerate(rows) if r.request_id not in at]
+        if new:  # (their matchers have taken no token since: nothing to read back)
+            out[new] = self._fill_masks([rows[j] for j in new])
+        return out
+
     def _wait_for_masks(self) -> torch.Tensor | None:
         masks, self._masks = self._masks, None
         return None if masks is None else masks[1].result()
@@ -305,10 +324,7 @@ class Sampler:
         if self.grammars is None:
             raise RuntimeError("structured output needs the model's tokenizer")
         sub_rows = [rows[i] for i in structured]
-        prepared = self._masks is not None and self._masks[0] == [r.request_id for r in sub_rows]
-        bitmask = self._wait_for_masks()
-        if not prepared:  # not started by `prepare` (or for other rows): here
-            bitmask = self._fill_masks(sub_rows)
+        bitmask = self._masks_of(sub_rows)
         # the rows and their stop tokens in one copy
         at = to_device(structured + [min(r.stop_token_ids, default=0) for r in sub_rows],
                        logits.device)
