@@ -218,20 +218,17 @@ class Sampler:
         self._mask_thread: ThreadPoolExecutor | None = None
 
     def prepare(self, rows) -> None:
-        """Start the masks of `rows` (constrained requests just sampled) for the next sample
-        on a worker thread: the matchers take the tokens just drawn (the wait for their copy
-        off the device is the worker's), then the rows' masks are filled. So they are
-        computed while the host launches the next forward and the device runs it, not in
-        series with it; the next sample uses them if it samples the same requests in the
-        same order (a decode batch in steady state), else fills its own."""
-        constrained = [r for r in rows if r.sampling.structured_output is not None]
-        if not constrained or self.grammars is None:
-            return
+        """Start the masks of `rows` (the constrained requests just sampled) for the next
+        sample on a worker thread: the matchers take the tokens just drawn (the wait for
+        their copy off the device is the worker's), then the rows' masks are filled. So
+        they are computed while the host launches the next forward and the device runs it,
+        not in series with it; the next sample takes those of its rows that were here
+        (`_masks_of`)."""
         self._wait_for_masks()
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
-        self._masks = ([r.request_id for r in constrained],
-                       self._mask_thread.submit(self._fill_masks, constrained))
+        self._masks = ([r.request_id for r in rows], self._mask_thread.submit(self._fill_masks,
+                                                                             rows))
 
     def _fill_masks(self, rows) -> torch.Tensor:
         self._read_back()
@@ -266,12 +263,12 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor, rows) -> torch.Tensor:
         """logits [N, vocab] float32 -> [N] int64 token ids on the logits' device."""
         params = [r.sampling for r in rows]
-        shaped, counted = self._shape(logits, rows)
+        raw = logits
+        logits, counted = self._shape(logits, rows)
         structured = [i for i, sp in enumerate(params) if sp.structured_output is not None]
         if structured:
-            shaped, structured_index = self._constrain(shaped, rows, structured,
-                                                       own=shaped is not logits)
-        logits = shaped
+            logits, structured_index = self._constrain(logits, rows, structured,
+                                                       own=logits is not raw)
         tokens = logits.argmax(dim=-1)
         picked = [i for i, sp in enumerate(params) if not sp.is_greedy]
         if picked:

@@ -20,6 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheel of torch comes without Triton: the torch ops run
+    triton = None
+
 log = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -157,7 +163,9 @@ def mask_logits_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
     GPU one kernel launch (the same in torch ops is ~15). `kernel`: the Triton kernel
     (default: on a GPU) or torch ops (its reference; on CPU tensors the kernel runs
     through Triton's interpreter)."""
-    if logits.is_cuda and triton is not None if kernel is None else kernel:
+    if kernel is None:
+        kernel = logits.is_cuda and triton is not None
+    if kernel:
         vocab = logits.shape[1]
         _mask_kernel[(rows.numel(),)](logits, logits.stride(0), rows, bitmask,
                                       bitmask.stride(0), stops, vocab,
@@ -170,12 +178,6 @@ def mask_logits_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
     sub.index_put_(at, torch.where(dead, 0.0, sub[at]))
     logits.index_copy_(0, rows, sub)
 
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU wheel of torch comes without Triton: the torch ops run
-    triton = None
 
 if triton is not None:
     @triton.jit

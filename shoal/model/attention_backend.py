@@ -111,17 +111,13 @@ def causal_attention(q, keys, values, scale: float | None = None):
     n, ctx = q.shape[0], keys.shape[1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    gqa = keys.shape[1] != q.shape[1]  # (set alone, the flag may bar a kernel that needs none)
-    with _sdpa_backends(q):
-        if n == ctx:
-            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-        else:
-            # Query i sits at position ctx - n + i and sees keys j <= that position.
-            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+    if n == ctx:
+        o = _sdpa(q, keys, values, is_causal=True, scale=scale)
+    else:
+        # Query i sits at position ctx - n + i and sees keys j <= that position.
+        q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
+        o = _sdpa(q, keys, values, attn_mask=mask, scale=scale)
     return o.squeeze(0).transpose(0, 1)  # [n, Hq, Dv]
 
 
@@ -136,11 +132,13 @@ def decode_attention(q, table, ctxs: list[int], k_cache, v_cache, scale: float |
     if min(ctxs) != ctx:
         lens = to_device(ctxs, q.device)
         mask = (torch.arange(ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-    with _sdpa_backends(q):
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+    o = _sdpa(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale)
     return o.squeeze(2)  # [B, Hq, Dv]
 
 
-def _sdpa_backends(q: torch.Tensor):
-    return sdpa_kernel(GPU_SDPA) if q.is_cuda else contextlib.nullcontext()
+def _sdpa(q, keys, values, **kw):
+    """SDPA over [B, H, len, D] tensors, grouped when the key heads are fewer (the flag set
+    alone may bar a kernel that needs none); on a GPU through `GPU_SDPA`'s backends."""
+    with sdpa_kernel(GPU_SDPA) if q.is_cuda else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, keys, values,
+                                              enable_gqa=keys.shape[1] != q.shape[1], **kw)
