@@ -1,7 +1,8 @@
 """What a request's own settings do to its logits before a token is picked: repetition,
 frequency and presence penalties, logit_bias, and min_tokens (stop tokens barred), as
 OpenAI and vLLM define them. Batched over the rows that asked; rows that did not are left
-alone, so greedy output is unchanged when none of these is set.
+alone, so greedy output is unchanged when none of these is set. Then, for the rows that
+sample, the min-p, top-k and top-p filters.
 
 The penalties need the tokens each request has produced. Those are counted on the device as
 they are sampled (`TokenCounts`), so a step never waits for the previous step's tokens to
@@ -88,3 +89,22 @@ def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Rows of `logits` with tokens outside each row's top k (0: all) and outside its top-p
+    nucleus set to -inf. The nucleus keeps a token while the probability mass before it is
+    below top_p (the most likely token always stays)."""
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    k = to_device([min(k, vocab) if k else vocab for k in top_k], logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    p = to_device(top_p, logits.device, probs.dtype)[:, None]
+    drop |= (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

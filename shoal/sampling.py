@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.logits_processing import TokenCounts, add_at, apply_penalties, min_p_filter
+from shoal.logits_processing import (TokenCounts, add_at, apply_penalties, min_p_filter,
+                                     top_k_top_p_filter)
 from shoal.structured_output import Grammars, StructuredOutput, mask_logits_
 from shoal.util import HostCopy, to_device
 
@@ -209,12 +210,9 @@ class Sampler:
         self._num_sampled: dict[str, int] = {}  # rid -> tokens sampled (min_tokens requests)
         self._counts: TokenCounts | None = None  # output tokens of penalised requests
         # the last call's constrained rows: (request ids, their tokens on their way to the
-        # host), given to the matchers at the next call, which waits for that copy only
-        # (the forward of the next step runs meanwhile)
+        # host), for their matchers (`prepare`)
         self._unread: tuple[list[str], HostCopy] | None = None
-        # the masks `prepare` is computing on a worker thread for the next sample:
-        # (request ids, future)
-        self._masks: tuple[list[str], Future] | None = None
+        self._masks: tuple[list[str], Future] | None = None  # (request ids, `prepare`'s masks)
         self._mask_thread: ThreadPoolExecutor | None = None
 
     def prepare(self, rows) -> None:
@@ -222,8 +220,7 @@ class Sampler:
         sample on a worker thread: the matchers take the tokens just drawn (the wait for
         their copy off the device is the worker's), then the rows' masks are filled. So
         they are computed while the host launches the next forward and the device runs it,
-        not in series with it; the next sample takes those of its rows that were here
-        (`_masks_of`)."""
+        not in series with it."""
         self._wait_for_masks()
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
@@ -280,7 +277,8 @@ class Sampler:
             if any(sp.min_p for sp in sub):
                 scaled = min_p_filter(scaled, to_device([sp.min_p for sp in sub], device,
                                                         logits.dtype))
-            filtered = _top_k_top_p(scaled, [sp.top_k for sp in sub], [sp.top_p for sp in sub])
+            filtered = top_k_top_p_filter(scaled, [sp.top_k for sp in sub],
+                                          [sp.top_p for sp in sub])
             seeds, draws = zip(*(self._next_draw(rows[i].request_id, params[i]) for i in picked))
             noise = gumbel_noise(to_device(seeds, device), to_device(draws, device),
                                  logits.shape[1])
@@ -370,21 +368,3 @@ class Sampler:
         self._draws[rid] = (seed, n + 1)
         return seed, n
 
-
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Rows of `logits` with tokens outside each row's top k (0: all) and outside its top-p
-    nucleus set to -inf. The nucleus keeps a token while the probability mass before it is
-    below top_p (the most likely token always stays)."""
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[1]
-    k = to_device([min(k, vocab) if k else vocab for k in top_k], logits.device)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    p = to_device(top_p, logits.device, probs.dtype)[:, None]
-    drop |= (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -142,7 +142,7 @@ def test_engine_on_the_paged_path_equals_the_reference_path(kernel_model, overla
         expected = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(tiny_model, **kw) as llm:
         runner = llm.engine.runner
-        runner.use_backend(TritonBackend())
+        runner.model.use_backend(TritonBackend())
         outs = llm.generate(prompts, sp)
         again = llm.generate(prompts[:2], sp)  # local prefix hits: chunks continuing context
         llm.check_integrity()
@@ -182,7 +182,7 @@ def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
         expected = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(tiny_model, **kw) as llm:
         runner = llm.engine.runner
-        runner.use_backend(TritonBackend())
+        runner.model.use_backend(TritonBackend())
         runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, runner.table_rows)
         outs = llm.generate(prompts, sp)
         assert runner.graphs.num_replays > 0

@@ -8,7 +8,8 @@ import torch
 import pytest
 
 from shoal.request import Request
-from shoal.sampling import SamplingParams, Sampler, _top_k_top_p, gumbel_noise
+from shoal.logits_processing import top_k_top_p_filter
+from shoal.sampling import SamplingParams, Sampler, gumbel_noise
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 3.0])
 
@@ -43,7 +44,7 @@ def test_noise_is_a_function_of_seed_draw_and_token():
 
 def test_top_k_and_top_p_keep_only_their_tokens():
     rows = LOGITS.repeat(3, 1)
-    out = _top_k_top_p(rows, [2, 0, 0], [1.0, 0.6, 1.0])
+    out = top_k_top_p_filter(rows, [2, 0, 0], [1.0, 0.6, 1.0])
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 5]  # the two largest
     p = torch.softmax(LOGITS, -1)
     order = p.argsort(descending=True)

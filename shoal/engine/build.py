@@ -8,7 +8,7 @@ import gc
 import hashlib
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -129,8 +129,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     probe = KVCacheLayout(1, cfg.num_layers, config.block_size, heads, dim, dtype, parts)
     num_blocks = config.num_kv_blocks or max(
         int(config.kv_cache_gb * (1 << 30)) // probe.block_nbytes, 1)
-    layout = KVCacheLayout(num_blocks, cfg.num_layers, config.block_size, heads, dim, dtype,
-                           parts)
+    layout = replace(probe, num_blocks=num_blocks)
     kv_cache = KVCache(layout, device)
     identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
                                digest_size=16).hexdigest()

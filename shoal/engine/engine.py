@@ -23,6 +23,7 @@ from typing import Callable, Protocol
 
 from shoal.config import EngineConfig
 from shoal.engine.build import EngineInfo, build_engine_parts, freeze_what_was_built
+from shoal.engine.load_split import RATES
 from shoal.engine.model_runner import NO_TOKENS, ModelRunner, SampledTokens
 from shoal.engine.peers import Peers, StepVote
 from shoal.engine.scheduler import ScheduledBatch, Scheduler
@@ -50,8 +51,7 @@ STAT_KEYS = (
     "host_load_tokens_per_s", "host_load_latency_s", "pool_hit_host_tokens",
 )
 # gauges of a rate, not counts: across ranks, the mean of those that measured one (0: none)
-RATE_STATS = ("prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s",
-              "host_load_tokens_per_s", "host_load_latency_s")
+RATE_STATS = tuple(RATES.values())
 
 
 class EngineLike(Protocol):
@@ -62,19 +62,12 @@ class EngineLike(Protocol):
 
     @property
     def has_work(self) -> bool: ...
-
     def add(self, new: NewRequest) -> str: ...
-
     def cancel(self, request_id: str) -> None: ...
-
     def step(self) -> StepResult: ...
-
     def stats(self) -> dict: ...
-
     def check_integrity(self) -> None: ...
-
     def drain(self) -> StepResult: ...
-
     def shutdown(self) -> None: ...
 
 
@@ -126,11 +119,10 @@ class Engine:
         self._num_streamed: dict[str, int] = {}  # rid -> output tokens handed out
         self._logprobs: dict[str, list] = {}  # rid -> TokenLogprobs per output token (if asked)
         self._prompt_logprobs: dict[str, dict] = {}  # rid -> {position: TokenLogprobs} (asked)
-        self.num_iterations = 0
-        self.num_forward_passes = 0
-        self.forward_seconds = 0.0  # executing thread's time in forwards (on a GPU: launching)
-        self._counts = dict.fromkeys(("prompt_tokens", "generated_tokens",
-                                      "local_prefix_hit_tokens"), 0)
+        # stats() counters; forward_seconds: the executing thread's time in forwards (on a
+        # GPU: launching them)
+        self._counts = {"iterations": 0, "forward_passes": 0, "forward_seconds": 0.0,
+                        "prompt_tokens": 0, "generated_tokens": 0, "local_prefix_hit_tokens": 0}
         freeze_what_was_built()
 
     def _measure_prefill(self) -> None:
@@ -209,10 +201,9 @@ class Engine:
     def step(self) -> StepResult:
         """schedule -> sync with peers -> execute -> update -> report. Raises ConnectorError
         once the connector failed (the sync raises it; under ADP on every owner alike)."""
-        self.num_iterations += 1
+        self._counts["iterations"] += 1
         batch = self.scheduler.schedule()
-        peers = self.peers.sync.exchange(StepVote(batch.num_tokens, self.has_work,
-                                                  batch.transfers.num_pending, self.failure))
+        peers = self.peers.sync.exchange(StepVote(batch.num_tokens, self.has_work, self.failure))
         # a step runs if it computes, polls transfers or pads for a peer that computes
         runs = not batch.is_empty or batch.transfers.num_pending > 0 or peers.any_tokens
         if runs:
@@ -242,18 +233,17 @@ class Engine:
             self.runner.forget(request_id)
         transfers = self.transfers
         if transfers is not None:  # this owner's own plan (empty in a padding step)
-            transfers.begin_step(batch.transfers)
+            transfers.poller.begin_step(batch.transfers)
         sampled = NO_TOKENS
         if not batch.is_empty or any(token_counts):
-            self.num_forward_passes += 1
+            self._counts["forward_passes"] += 1
             start = time.perf_counter()
             # padding rows never reach a connector: no layer hooks for a padding forward
             hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty else None
             sampled = self.runner.execute(batch, token_counts, hooks)
-            self.forward_seconds += time.perf_counter() - start
-        report = transfers.end_step(batch.transfers) if transfers is not None else None
-        return _Executed(sampled, report, self.runner.take_logprobs(),
-                         self.runner.take_prompt_logprobs(), started)
+            self._counts["forward_seconds"] += time.perf_counter() - start
+        report = transfers.poller.end_step(batch.transfers) if transfers is not None else None
+        return _Executed(sampled, report, *self.runner.take_logprobs(), started)
 
     def _update(self, keep: int) -> list[Request]:
         """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
@@ -331,20 +321,17 @@ class Engine:
     # -- the rest ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        s = dict.fromkeys(STAT_KEYS, 0)
+        s, pool = dict.fromkeys(STAT_KEYS, 0), self.kv_manager.pool
         s.update(self._counts)
-        s["iterations"] = self.num_iterations
-        s["forward_passes"] = self.num_forward_passes
-        s["forward_passes_skipped"] = s["iterations"] - s["forward_passes"]
-        s["preemptions"] = self.scheduler.num_preemptions
-        s["cancellations"] = self.scheduler.num_cancellations
-        s["forward_seconds"] = self.forward_seconds
-        s["kv_blocks_used"] = sum(b.ref_count > 0 for b in self.kv_manager.pool.blocks)
-        s["num_kv_blocks"] = self.kv_manager.pool.num_blocks
-        # the server's gauges: running (a request whose KV loads computes its front
-        # meanwhile), and queued (new or preempted)
-        s["num_requests_running"] = len(self.scheduler.running)
-        s["num_requests_waiting"] = len(self.scheduler.waiting)
+        s.update(forward_passes_skipped=s["iterations"] - s["forward_passes"],
+                 preemptions=self.scheduler.num_preemptions,
+                 cancellations=self.scheduler.num_cancellations,
+                 kv_blocks_used=pool.num_blocks - pool.num_free_blocks,  # ref_count > 0
+                 num_kv_blocks=pool.num_blocks,
+                 # the server's gauges: running (a request whose KV loads computes its front
+                 # meanwhile), and queued (new or preempted)
+                 num_requests_running=len(self.scheduler.running),
+                 num_requests_waiting=len(self.scheduler.waiting))
         s.update(self.peers.counters())
         if self.transfers is not None:
             s.update(self.transfers.stats())

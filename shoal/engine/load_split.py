@@ -23,13 +23,11 @@ the load rate and latency from each finished load, and all of them from the last
 from host memory (blocks the worker keeps in its host tier, as the connector's scheduler
 side expects: `get_num_matched_host_tokens`), often 5-10x apart on a GPU; a hit's rate
 weighs the two by its share of each, and a finished load teaches the rate of the source
-most of it came from. While a rate is unknown the load goes on
-and the front waits (but no longer than 5% of the time computing it all takes). A
-forward's cost grows with its context: the prefill rate is counted in units of work (a
-token, plus `attention_weight` per (query, key) pair: at the start of a context, about a
-token each), so a long front is not sized from a short forward's rate. Under TP
-every rank must decide alike: the lead rank's planner decides (KVTransfers shares its
-answers).
+most of it came from. While a rate is unknown the load goes on and the front waits (but
+no longer than 5% of the time computing it all takes). A forward's cost grows with its
+context: the prefill rate is per unit of work (`LoadPlanner`), so a long front is not sized
+from a short forward's rate. Under TP every rank must decide alike: the lead rank's
+planner decides (KVTransfers shares its answers).
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.model.presets import cache_dir
 from shoal.util import cdiv
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,10 @@ ALL_AT_ONCE = 0.9
 # the time computing the hit takes, then computes it (a first hit on a store that is fast
 # but slow to start loses its gain; one on a dead-slow store costs this much)
 UNKNOWN_LOAD_WAIT = 0.05
-RATE_NAMES = ("prefill_tps", "load_tps", "load_latency_s", "host_load_tps", "host_load_latency_s")
+# the planner's rates (attribute, also its name in a rates file) -> their stats() key
+RATES = {"prefill_tps": "prefill_tokens_per_s", "load_tps": "load_tokens_per_s",
+         "load_latency_s": "load_latency_s", "host_load_tps": "host_load_tokens_per_s",
+         "host_load_latency_s": "host_load_latency_s"}
 PREFILL_UNIT = "work"  # the prefill rate's unit in a rates file (files before it: tokens)
 
 
@@ -98,15 +100,15 @@ class LoadDecision:
 class LoadPlanner:
     """`attention_weight`: what a (query, key) pair of prefill attention costs against a
     token through the model's weights (LlamaModel.attention_weight): computing n tokens
-    after `start` others is n + w (n start + n^2 / 2) tokens' work, so a long front costs
-    more per token than the bring-up's short forwards (the prefill rate is per unit of work)."""
+    after `start` others is n + w (n start + n^2 / 2) tokens' work (at the start of a
+    context, about one unit per token), so a long front costs more per token than the
+    bring-up's short forwards (the prefill rate is per unit of work)."""
 
     def __init__(self, block_size: int, max_num_tokens: int, attention_weight: float = 0.0):
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
         self.attention_weight = attention_weight
-        self.prefill_tps = Ewma()  # work/s of prefill forwards past their fixed cost (work:
-        # tokens, plus attention_weight per (query, key) pair)
+        self.prefill_tps = Ewma()  # work/s (`work`) of prefill forwards past their fixed cost
         self.prefill_overhead_s = 0.0  # a forward's fixed cost (launches, weight reads)
         self.load_tps = Ewma()  # tokens/s of loads from the store once their first blocks landed
         self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
@@ -300,7 +302,7 @@ class LoadPlanner:
 
     def save(self, path: Path) -> None:
         """Keep the measured rates for the next engine of the same model and pool."""
-        rates = {name: getattr(self, name).value for name in RATE_NAMES}
+        rates = {name: getattr(self, name).value for name in RATES}
         if all(v is None for v in rates.values()):
             return
         rates["prefill_overhead_s"] = self.prefill_overhead_s
@@ -324,7 +326,7 @@ class LoadPlanner:
             return
         same_unit = rates.get("prefill_unit") == PREFILL_UNIT  # (a prefill rate counted in
         # another unit is measured anew)
-        for name in RATE_NAMES if same_unit else RATE_NAMES[1:]:
+        for name in (n for n in RATES if same_unit or n != "prefill_tps"):
             value = rates.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 getattr(self, name).add(float(value))
@@ -333,11 +335,7 @@ class LoadPlanner:
             self.prefill_overhead_s = min(max(float(overhead), 0.0), 1.0)
 
     def stats(self) -> dict[str, float]:
-        return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
-                "load_tokens_per_s": self.load_tps.value or 0.0,
-                "load_latency_s": self.load_latency_s.value or 0.0,
-                "host_load_tokens_per_s": self.host_load_tps.value or 0.0,
-                "host_load_latency_s": self.host_load_latency_s.value or 0.0}
+        return {key: getattr(self, name).value or 0.0 for name, key in RATES.items()}
 
 
 def _prune(folder: Path) -> None:
@@ -351,7 +349,6 @@ def rates_path(config, ctx) -> Path:
     """Where the rates of engines of this model, device and connector (its options, the
     pool's directory among them; a ConnectorConfig and a ConnectorContext) are kept
     between runs (the newest MAX_RATE_FILES files are kept)."""
-    from shoal.model.presets import cache_dir
     what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
                        config.scheduler_class, config.worker_class,
                        sorted((k, repr(v)) for k, v in config.options.items())])

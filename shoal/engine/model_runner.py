@@ -9,12 +9,10 @@ chunk's trailing placeholder (overlap loop: the token the previous step samples)
 there from the previous step's samples, never from the host.
 
 One input layout for every attention backend (shoal.model.attention_backend, chosen when
-the model is built): the step's integer inputs packed into one host buffer (pinned on a
-GPU) and sent with one copy (`StepInputs`): ids, positions, KV slots, and per request its
-rows, lengths and block-table row (`PagedInputs`). The torch backend (gather + SDPA) and
-the Triton kernels read the same. With the kernels, a step of single-token decodes
-replays a CUDA graph captured for its batch size (`shoal.engine.cuda_graphs`) unless
-`enforce_eager`.
+the model is built): ids, positions, KV slots, and per request its rows, lengths and
+block-table row (`PagedInputs`), sent in one copy; the torch backend (gather + SDPA) and
+the Triton kernels read the same. With the kernels, single-token decode steps replay CUDA
+graphs unless `enforce_eager` (both: shoal.engine.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -25,12 +23,14 @@ import numpy as np
 import torch
 
 from shoal.engine.cuda_graphs import DecodeGraphs, StepInputs
-from shoal.engine.scheduler import ScheduledBatch
+from shoal.engine.scheduler import ScheduledBatch, ScheduledChunk
 from shoal.engine.table_rows import TableRows
 from shoal.kv.kv_cache import KVCache
 from shoal.util import HostCopy, cdiv
 from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs
-from shoal.sampling import Sampler, TokenLogprobs, compute_logprobs
+from shoal.model.paged_attention import warm_up
+from shoal.request import Request
+from shoal.sampling import Sampler, SamplingParams, TokenLogprobs, compute_logprobs
 
 
 class SampledTokens(HostCopy):
@@ -72,11 +72,6 @@ class ModelRunner:
         """The model attends with the Triton kernels (warm-up and CUDA graphs apply)."""
         return self.model.backend.paged
 
-    def use_backend(self, backend) -> None:
-        """Switch the model's attention backend (tests force the kernels' path on a CPU,
-        through Triton's interpreter)."""
-        self.model.use_backend(backend)
-
     def execute(self, batch: ScheduledBatch, token_counts: list[int],
                 layer_hooks=None) -> SampledTokens:
         """Launch one step; returns one sampled token per sampling chunk, in chunk order.
@@ -106,10 +101,6 @@ class ModelRunner:
         """Seconds one prefill forward of `num_tokens` tokens takes (run at bring-up: it
         measures the prefill rate and pays the first forward's one-time costs). Its KV goes
         to the scratch block only."""
-        from shoal.engine.scheduler import ScheduledBatch, ScheduledChunk
-        from shoal.request import Request
-        from shoal.sampling import SamplingParams
-
         probe = Request("shoal-bring-up-prefill", [1] * num_tokens, SamplingParams(max_tokens=1),
                         frozenset())
         scratch = [self.kv_cache.scratch_block] * cdiv(num_tokens, self.block_size)
@@ -148,20 +139,16 @@ class ModelRunner:
                 owners[span], compute_logprobs(logits, targets[span], num_top[span]))]
         return out
 
-    def take_prompt_logprobs(self) -> list[tuple[str, int, TokenLogprobs]]:
-        """The last `execute`'s prompt logprobs (request id, position, TokenLogprobs);
-        cleared by the call."""
-        out, self._prompt_logprobs = self._prompt_logprobs, []
+    def take_logprobs(self) -> tuple[list[TokenLogprobs | None] | None,
+                                     list[tuple[str, int, TokenLogprobs]]]:
+        """The last `execute`'s logprobs, cleared by the call: of its samples (one per
+        sampled token, None where not asked; None if no request in it asked), and of its
+        prompts ((request id, position, TokenLogprobs) each)."""
+        out = self._logprobs, self._prompt_logprobs
+        self._logprobs, self._prompt_logprobs = None, []
         return out
 
-    def take_logprobs(self) -> list[TokenLogprobs | None] | None:
-        """The logprobs of the last `execute`'s samples (one per sampled token, None where
-        not asked), or None if no request in it asked; cleared by the call."""
-        logprobs, self._logprobs = self._logprobs, None
-        return logprobs
-
     def _warm_up(self) -> None:
-        from shoal.model.paged_attention import warm_up
         if self.model.cfg.is_mla:  # no K/V kernels; the latent decode compiles in the
             return  # graphs' warm-up (or, with enforce_eager, in the first decode step)
         attn = self.model.layers[0].self_attn
@@ -198,8 +185,8 @@ class ModelRunner:
                 0, sources.to(torch.long)).to(input_ids.dtype))
 
     def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
-        """The step's inputs, for every backend: one (pinned, on a GPU) host buffer, one
-        host-to-device copy; the block table gathered from the rows kept across steps."""
+        """The step's inputs, for every backend, in one copy (`StepInputs`); the block table
+        gathered from the rows kept across steps."""
         bs = self.block_size
         ids, positions, slot_blocks, starts, lens, ctxs, sample_rows = [], [], [], [], [], [], []
         row = 0

@@ -39,7 +39,6 @@ class StepVote:
 
     num_tokens: int  # tokens it computes this step (0: nothing, or padding if a peer computes)
     has_work: bool  # it holds requests or pending transfers
-    num_pending_transfers: int  # loads and saves it polls after this step
     failure: str | None  # its connector's fatal failure, if any
 
 

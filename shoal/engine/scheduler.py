@@ -6,8 +6,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from shoal.engine.transfer_poll import NO_TRANSFERS, TransferPlan
-from shoal.engine.transfer_poll import TransferOutcome
+from shoal.engine.transfer_poll import NO_TRANSFERS, TransferOutcome, TransferPlan
 from shoal.engine.transfers import KVTransfers
 from shoal.kv.kv_cache_manager import KVCacheManager
 from shoal.util import cdiv

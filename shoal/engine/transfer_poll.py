@@ -68,8 +68,7 @@ class TransferPoller:
         self._loaded: set[str] = set()  # loads this rank's worker finished
         self._failed: dict[str, int] = {}  # ... of which failed, from this block index on
         self._progress: dict[str, LoadProgress] = {}  # partial loads' last progress here
-        self.num_deadline_expiries = 0
-        self.num_aborted = 0
+        self.counts = {"deadline_expiries": 0, "transfers_aborted": 0}  # for stats()
 
     def begin_step(self, plan: TransferPlan) -> None:
         self.calls.work("bind_connector_meta", lambda w: w.bind_connector_meta(plan.meta))
@@ -86,7 +85,7 @@ class TransferPoller:
         self._aborted.intersection_update((*plan.save_epochs, *plan.loading_ids))
         expired = [rid for rid in expired if rid not in self._aborted]
         if expired:
-            self.num_deadline_expiries += len(expired)
+            self.counts["deadline_expiries"] += len(expired)
             what = (f"a pending transfer passed its deadline (transfer_timeout_sec="
                     f"{self.calls.config.transfer_timeout_sec:g}, control_grace_sec="
                     f"{self.calls.config.control_grace_sec:g} after a cancel or shutdown)")
@@ -96,7 +95,7 @@ class TransferPoller:
                 self.calls.work("abort", lambda w: w.abort(expired))
                 if self.calls.failure is None:
                     log.warning("%s: aborted %s", what, expired)
-                    self.num_aborted += len(expired)
+                    self.counts["transfers_aborted"] += len(expired)
                     self._aborted.update(expired)
                     for rid in expired:
                         self._progress.pop(rid, None)

@@ -11,16 +11,14 @@ When are a request's blocks freed? A loading request keeps them (it is in no bat
 never preempted) until its load is reported; a finished request whose save is pending
 keeps them (SAVING) until the save is reported; a preempted request's blocks are pinned
 (an extra reference) until its save episode ends, because saves already enqueued may
-still read them. Under TP (`Agreement`), rank 0's scheduler side answers for every rank
-and a transfer ends only when every rank's worker reports it.
+still read them. Under TP, answers and polls are agreed over the ranks (`Agreement`).
 
-Failure policy (SPEC 6): every pending transfer has a deadline, set when it is first
-pending and never extended (a cancel or shutdown shortens it to the grace). A contract
-violation or an expired deadline (unless the worker supports abort) is fatal, as is a
-hook that raises or blocks (shoal.engine.connector_calls): `failure` is recorded, the
-connector is asked nothing more, every block stays held, and the engine stops with that
-message (a fleet votes it to every rank). An abort-capable worker's expired transfer is
-aborted and becomes its request's error.
+Failure policy (SPEC 6): a contract violation is fatal, as are a hook that raises or
+blocks (shoal.engine.connector_calls) and a transfer past its deadline
+(shoal.engine.deadlines) where the worker cannot abort (shoal.engine.transfer_poll):
+`failure` is recorded, the connector is asked nothing more, every block stays held, and
+the engine stops with that message (a fleet votes it to every rank). An abort-capable
+worker's expired transfer is aborted and becomes its request's error.
 """
 
 from __future__ import annotations
@@ -71,10 +69,9 @@ class KVTransfers:
         self._new_loads: list[Request] = []  # admitted for a load since the last plan
         self._host_tokens: dict[str, int] = {}  # rid -> of its last match, tokens in host memory
         self.deadlines = Deadlines(config.transfer_timeout_sec, config.control_grace_sec)
-        self.num_connector_tokens_loaded = 0
-        self.num_load_failures_recomputed = 0
-        self._hits = dict.fromkeys((*HIT_COUNTERS.values(), "front_tokens_computed",
-                                    "pool_hit_host_tokens"), 0)
+        self._counts = dict.fromkeys(("connector_tokens_loaded", "load_failures_recomputed",
+                                      *HIT_COUNTERS.values(), "front_tokens_computed",
+                                      "pool_hit_host_tokens"), 0)  # for stats()
 
     # -- what the scheduler asks ----------------------------------------------------------
 
@@ -124,7 +121,7 @@ class KVTransfers:
         first, end = num_cached // bs, (num_cached + num_external) // bs
         host_share = num_host / num_external
         hit = PoolHit("load", num_external, **self.planner.decision_rates(host_share), num_host_tokens=num_host)
-        self._hits["pool_hit_host_tokens"] += num_host
+        self._counts["pool_hit_host_tokens"] += num_host
         load_from, first_tokens = first, 0
         if self.partial_loads:
             decision = self._decide(lambda: self.planner.admit(first, end, host_share))
@@ -135,7 +132,7 @@ class KVTransfers:
             hit.decision = ("load" if load_from == first else "split" if load_from < end
                             else "compute")
         req.pool_hit = hit
-        self._hits[HIT_COUNTERS[hit.decision]] += 1
+        self._counts[HIT_COUNTERS[hit.decision]] += 1
         if load_from >= end:  # computing it is faster: nothing is loaded
             hit.num_front_tokens = num_external
             return False
@@ -182,7 +179,7 @@ class KVTransfers:
         hit.num_front_tokens = landed.start - landed.num_cached
         hit.num_loaded_tokens = landed.num_ok - landed.start
         req.num_connector_tokens = hit.num_loaded_tokens
-        self._hits["front_tokens_computed"] += hit.num_front_tokens
+        self._counts["front_tokens_computed"] += hit.num_front_tokens
         return landed.num_ok
 
     def plan(self, chunks) -> TransferPlan:
@@ -341,9 +338,9 @@ class KVTransfers:
         self.planner.observe_load(*load.measured(start))
         num_ok, error, recomputed = load.outcome(start, bad, self.ctx.block_size,
                                                  self.config.load_failure_policy)
-        self.num_load_failures_recomputed += recomputed
+        self._counts["load_failures_recomputed"] += recomputed
         if error is None:
-            self.num_connector_tokens_loaded += num_ok - start
+            self._counts["connector_tokens_loaded"] += num_ok - start
         return num_ok, error
 
     def _decide(self, decide: Callable[[], T]) -> T:
@@ -365,13 +362,7 @@ class KVTransfers:
                          num_scheduled, tuple(req.block_keys[:num_full]))
         return rd, seen is not None
 
-    # -- the worker side: on the executing thread (TransferPoller) ------------------------------
-
-    def begin_step(self, plan: TransferPlan) -> None:
-        self.poller.begin_step(plan)
-
-    def end_step(self, plan: TransferPlan) -> TransferReport:
-        return self.poller.end_step(plan)
+    # -- both (the worker side runs on the executing thread: `poller`) -----------------------
 
     @property
     def failure(self) -> str | None:
@@ -381,17 +372,9 @@ class KVTransfers:
     def fail(self, what: str, request_id: str | None = None) -> None:
         self.calls.fail(what, request_id)
 
-    # -- both --------------------------------------------------------------------------------
-
     def stats(self) -> dict[str, float]:
-        s = self.calls.stats()
-        s["connector_tokens_loaded"] = self.num_connector_tokens_loaded
-        s["load_failures_recomputed"] = self.num_load_failures_recomputed
-        s["deadline_expiries"] = self.poller.num_deadline_expiries
-        s["transfers_aborted"] = self.poller.num_aborted
-        s.update(self._hits)
-        s.update(self.planner.stats())
-        return s
+        return {**self.calls.stats(), **self._counts, **self.poller.counts,
+                **self.planner.stats()}
 
     def shutdown(self) -> None:
         if self.calls.partial_loads and self.calls.agreement.is_lead and self.failure is None:

@@ -19,8 +19,6 @@ import struct
 
 import torch
 
-KEY_BYTES = 32
-
 
 def _h(*parts: bytes) -> bytes:
     h = hashlib.sha256()

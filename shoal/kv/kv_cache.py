@@ -8,6 +8,7 @@ pool moves a block with one large copy instead of 2 * num_layers small ones. Two
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,7 @@ class KVCacheLayout:
 
     @property
     def block_nbytes(self) -> int:
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.block_shape) * self.dtype.itemsize
 
 
 class KVCache:
@@ -57,7 +55,3 @@ class KVCache:
         # (MLA: (latent, None))
         self.layers = [(storage[:, i, 0], storage[:, i, 1] if layout.parts == 2 else None)
                        for i in range(layout.num_layers)]
-
-    def block(self, block_id: int) -> torch.Tensor:
-        """One block's bytes for all layers: a contiguous [num_layers, parts, bs, H, D] view."""
-        return self.tensor[block_id]

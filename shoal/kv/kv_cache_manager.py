@@ -37,8 +37,8 @@ class KVCacheManager:
         request's blocks to cover its computed tokens (at least the hit) + num_new_tokens.
         False (and nothing changes) when there are not enough free blocks."""
         if not cached_block_ids:  # the common case, a decode step above all: short and sweet
-            num_needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) \
-                - len(req.block_ids)
+            num_needed = (cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
+                          - len(req.block_ids))
             if num_needed <= 0:
                 return True
             new = self.pool.allocate(num_needed)
@@ -53,11 +53,10 @@ class KVCacheManager:
         num_reclaimed = sum(self.pool.is_free(b) for b in cached_block_ids)
         if num_needed + num_reclaimed > self.pool.num_free_blocks:
             return False
-        if cached_block_ids:
-            assert not req.block_ids, f"{req.request_id}: prefix hit for a request holding blocks"
-            self.pool.touch(list(cached_block_ids))
-            req.block_ids = list(cached_block_ids)
-            req.num_cached_blocks = len(cached_block_ids)
+        assert not req.block_ids, f"{req.request_id}: prefix hit for a request holding blocks"
+        self.pool.touch(list(cached_block_ids))
+        req.block_ids = list(cached_block_ids)
+        req.num_cached_blocks = len(cached_block_ids)
         new = self.pool.allocate(num_needed)
         assert new is not None, f"{num_needed} blocks checked free but not allocatable"
         req.block_ids.extend(new)

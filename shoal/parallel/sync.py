@@ -29,8 +29,8 @@ class AdpSync:
 
     def exchange(self, vote: StepVote) -> PeerState:
         rows = self.comm.all_gather_ints([vote.num_tokens, int(vote.has_work), self.want_shutdown,
-                                          vote.num_pending_transfers, int(vote.failure is not None)])
-        agree_on_failure(self.comm, [r[4] for r in rows], vote.failure)
+                                          int(vote.failure is not None)])
+        agree_on_failure(self.comm, [r[3] for r in rows], vote.failure)
         # pending transfers count as work
         self.state = PeerState([r[0] for r in rows], any(r[1] for r in rows), any(r[2] for r in rows))
         return self.state
