@@ -17,6 +17,7 @@ payload = np.random.randint(0, 255, BS, dtype=np.uint8)
 keys = [os.urandom(32) for _ in range(N)]
 for k in keys:
     pf.write_block(root, ns, k, memoryview(payload), shape, torch.bfloat16)
+THREADS = [int(t) for t in os.environ.get("THREADS", "1,2,4,8,16").split(",")]
 buf = np.empty((N, BS), np.uint8)
 paths = [pf.block_path_str(str(root), k) for k in keys]
 def raw(i):
@@ -27,10 +28,14 @@ def ours(i):
 dirs = pf.BlockDirs(root)
 def ours_dirs(i):
     pf.read_block_into(root, ns, keys[i], memoryview(buf[i]), shape, torch.bfloat16, dirs=dirs)
+def noverify(i):
+    pf.read_block_into(root, ns, keys[i], memoryview(buf[i]), shape, torch.bfloat16, dirs=dirs,
+                       verify=False)
 def hashonly(i):
     pf.checksum(memoryview(buf[i]))
-for name, fn in [("raw", raw), ("ours", ours), ("dirs", ours_dirs), ("hash", hashonly)]:
-    for threads in (1, 2, 4, 8, 16):
+for name, fn in [("raw", raw), ("ours", ours), ("dirs", ours_dirs), ("noverify", noverify),
+                 ("hash", hashonly)]:
+    for threads in THREADS:
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(fn, range(N)))
             t = time.perf_counter()
