@@ -17,6 +17,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from shoal.util import to_device
 
@@ -108,10 +109,20 @@ def causal_attention(q, keys, values, scale: float | None = None):
     """q [n, Hq, D], the last n of the ctx positions of keys [Hkv, ctx, D] and values
     [Hkv, ctx, Dv], attends to them causally -> [n, Hq, Dv]. `scale`: of the logits
     (1/sqrt(D) when None)."""
-    n, ctx = q.shape[0], keys.shape[1]
+    n, ctx, dv = q.shape[0], keys.shape[1], values.shape[-1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    if n == ctx:
+    if q.is_cuda and keys.shape[1] == q.shape[1]:
+        # Flash attention, which takes no mask and no values narrower than the keys: the
+        # window aligned to the end as a causal bias SDPA dispatches itself, and MLA's
+        # values (128 wide against 192) padded with zeros. Else the memory-efficient kernel
+        # runs, 2-4x slower at 8k tokens (scripts/mla_sdpa_probe.py).
+        if dv != keys.shape[-1]:
+            values = F.pad(values, (0, keys.shape[-1] - dv))
+        window = None if n == ctx else causal_lower_right(n, ctx)
+        o = _sdpa(q, keys, values, is_causal=window is None, attn_mask=window, scale=scale)
+        o = o[..., :dv]
+    elif n == ctx:
         o = _sdpa(q, keys, values, is_causal=True, scale=scale)
     else:
         # Query i sits at position ctx - n + i and sees keys j <= that position.
