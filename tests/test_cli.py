@@ -284,17 +284,21 @@ def test_bench_ttft_on_a_random_checkpoint():
 
 
 def test_bench_ttft_from_the_tier_with_capped_reads():
-    """`--source tier --pool-read-gbps X`: the hit comes from the host tier (loaded once
-    before: the cap on file reads does not apply to it), all three ways timed."""
+    """`--source tier --pool-read-gbps X --block-size 32`: the hit comes from the host tier
+    (loaded once before: the cap on file reads does not apply to it), all three ways timed,
+    in 32-token blocks (the pool holds the prompt's first block: the second has its last
+    token)."""
     r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
-              "--rounds", "1", "--source", "tier", "--pool-read-gbps", "0.5")
+              "--rounds", "1", "--source", "tier", "--pool-read-gbps", "0.5",
+              "--block-size", "32")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["source"] == "tier" and result["pool_read_gbps"] == 0.5
-    assert result["tokens_loaded"] == 48 and "reads capped at 0.5 GB/s" in r.stdout
+    assert result["block_size"] == 32 and "32-token blocks" in r.stdout
+    assert result["tokens_loaded"] == 32 and "reads capped at 0.5 GB/s" in r.stdout
     hit = result["split"]
-    assert hit["front_tokens"] + hit["loaded_tokens"] == 48
-    assert hit["host_tokens"] == 48  # the engine expected all of it from host memory
+    assert hit["front_tokens"] + hit["loaded_tokens"] == 32
+    assert hit["host_tokens"] == 32  # the engine expected all of it from host memory
 
 
 def test_bench_ttft_first_hit_on_a_dead_slow_store():

@@ -26,6 +26,8 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                      "from the front while the back loads) vs recomputed (--dp 2: two owners "
                      "sharing the pool; --tp 3: every engine a TP fleet)",
                      prefix_tokens=2048, rounds=2, dp=1, tp=1)
+    tt.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV block, and so per pool file (default 16)")
     tt.add_argument("--pool-read-gbps", type=float, metavar="GBPS",
                     help="cap the pool's file reads at this rate (the fs connector's "
                     "max_read_gbps: a slow or shared store)")
@@ -79,9 +81,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "ttft":
         from shoal.bench.ttft import run_ttft, run_ttft_dp
         if args.dp > 1:
-            return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device)
+            return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device,
+                               args.block_size)
         return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp,
-                        args.pool_read_gbps, args.source, args.pool, args.skip_load_only)
+                        args.pool_read_gbps, args.source, args.pool, args.skip_load_only,
+                        args.block_size)
     if args.bench == "pool-io":
         from shoal.connectors.store.base import default_io_threads
         threads = args.threads or default_io_threads(args.device.startswith("cuda"))

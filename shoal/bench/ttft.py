@@ -55,7 +55,7 @@ def bench_pool(pool: str | None, **options) -> Iterator[Callable[..., ConnectorC
 
 def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int = 1,
              pool_read_gbps: float | None = None, source: str = "files",
-             pool: str | None = None, skip_load_only: bool = False) -> int:
+             pool: str | None = None, skip_load_only: bool = False, block_size: int = 16) -> int:
     """TTFT of one prompt whose prefix the pool holds, each way in a fresh engine per round:
     recomputed (no pool), loaded whole before computing on (`compute_while_loading=False`),
     and computed from the front while the back loads (the default); and the floor
@@ -68,11 +68,12 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     GPU the prompt is prefilled in one chunk and decode graphs are not captured.
     `skip_load_only`: no load-only engine (a dead-slow store would take ages), so the first
     round's engine meets the store with no load rate known (its first hit), and later
-    rounds with what the rounds before learned; no floor then."""
-    kw = dict(device=device, tp_size=tp)
+    rounds with what the rounds before learned; no floor then. `block_size`: tokens per KV
+    block, so per pool file (a load's cost is mostly per file)."""
+    kw = dict(device=device, tp_size=tp, block_size=block_size)
     if device.startswith("cuda"):
         kw.update(max_num_tokens=max(prefix_tokens, 2048), enforce_eager=True,
-                  num_kv_blocks=cdiv(prefix_tokens, 16) + 64)
+                  num_kv_blocks=cdiv(prefix_tokens, block_size) + 64)
     if source == "tier":
         kw.update(enable_prefix_caching=False)
     options = {} if pool_read_gbps is None else {"max_read_gbps": pool_read_gbps}
@@ -121,7 +122,8 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     last = hits[-1]
     result = {
         "bench": "ttft", "model": model, "device": device, "tp": tp, "prompt_tokens": len(prompt),
-        "rounds": rounds, "source": source, "pool_read_gbps": pool_read_gbps,
+        "block_size": block_size, "rounds": rounds, "source": source,
+        "pool_read_gbps": pool_read_gbps,
         "pool": "files" if pool is None else "redis",
         "tokens_loaded": tokens_loaded, "bytes_loaded": bytes_loaded,
         "ttft_recomputed_s": med["recomputed"], "ttft_load_only_s": med["load_only"],
@@ -138,7 +140,8 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
         "first_run_s": round(first_s, 4),
         **{f"all_{k}_s": [round(x, 4) for x in v] for k, v in runs.items()},
     }
-    print(f"{len(prompt)}-token prompt, fresh engines{f' (tp={tp})' if tp > 1 else ''}, hits "
+    print(f"{len(prompt)}-token prompt, {block_size}-token blocks, fresh engines"
+          f"{f' (tp={tp})' if tp > 1 else ''}, hits "
           f"from {'the host tier' if source == 'tier' else 'files' if pool is None else 'redis'}"
           f"{f', reads capped at {pool_read_gbps:g} GB/s' if pool_read_gbps else ''}, "
           f"median of {rounds} rounds")
@@ -182,20 +185,23 @@ def _report_without_load_only(model, device, prompt, rounds, pool_read_gbps, run
     return 0
 
 
-def run_ttft_dp(model: str, prefix_tokens: int, dp: int, device: str) -> int:
+def run_ttft_dp(model: str, prefix_tokens: int, dp: int, device: str, block_size: int = 16
+                ) -> int:
     """Two owners sharing the pool: owner 0 of a first fleet computes and saves the prefix;
     a fresh fleet then serves the prompt and a sibling (same prefix, other question) at
     once, one per owner. The second owner's TTFT shows what owner 0's saves save it."""
     with tempfile.TemporaryDirectory(prefix="shoal-bench-ttft-dp-") as pool:
-        with LLM(model, kv_pool=pool, device=device, dp_size=dp) as llm:
+        kw = dict(kv_pool=pool, device=device, dp_size=dp, block_size=block_size)
+        with LLM(model, **kw) as llm:
             prompt = _prompt(llm, prefix_tokens)
             sibling = prompt[:-16] + llm.tokenizer.encode(" Question: who keeps the gate?")[:16]
             cold = llm.generate([prompt], ONE)[0]  # the router gives it to owner 0
             saved = [s["blocks_saved"] for s in llm.stats()["per_rank"]]
-        with LLM(model, kv_pool=pool, device=device, dp_size=dp) as llm:
+        with LLM(model, **kw) as llm:
             warm = llm.generate([prompt, sibling], ONE)  # one per owner
             loaded = [s["connector_tokens_loaded"] for s in llm.stats()["per_rank"]]
     result = {"bench": "ttft", "dp": dp, "model": model, "prompt_tokens": len(prompt),
+              "block_size": block_size,
               "blocks_saved_per_owner_cold": saved, "tokens_loaded_per_owner_warm": loaded,
               "ttft_cold_s": cold.metrics.ttft_s,
               "ttft_warm_owner0_s": warm[0].metrics.ttft_s,
