@@ -17,7 +17,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from shoal.util import to_device
 
@@ -112,15 +111,19 @@ def causal_attention(q, keys, values, scale: float | None = None):
     n, ctx, dv = q.shape[0], keys.shape[1], values.shape[-1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    if q.is_cuda and keys.shape[1] == q.shape[1]:
-        # Flash attention, which takes no mask and no values narrower than the keys: the
-        # window aligned to the end as a causal bias SDPA dispatches itself, and MLA's
-        # values (128 wide against 192) padded with zeros. Else the memory-efficient kernel
-        # runs, 2-4x slower at 8k tokens (scripts/mla_sdpa_probe.py).
+    if _flash_runs(q, keys):
+        # Flash attention takes no mask and no values narrower than the keys: MLA's values
+        # (128 wide against 192) are padded with zeros, and with fewer queries than keys its
+        # causal window is aligned to the end, as needed here. Else the memory-efficient
+        # kernel runs, 2-4x slower at 8k tokens (scripts/mla_sdpa_probe.py). (SDPA's
+        # lower-right causal bias would choose the same, but importing it imports dynamo.)
         if dv != keys.shape[-1]:
             values = F.pad(values, (0, keys.shape[-1] - dv))
-        window = None if n == ctx else causal_lower_right(n, ctx)
-        o = _sdpa(q, keys, values, is_causal=window is None, attn_mask=window, scale=scale)
+        if n == ctx:
+            o = _sdpa(q, keys, values, is_causal=True, scale=scale)
+        else:
+            o = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True,
+                                                                   scale=scale)[0]
         o = o[..., :dv]
     elif n == ctx:
         o = _sdpa(q, keys, values, is_causal=True, scale=scale)
@@ -130,6 +133,14 @@ def causal_attention(q, keys, values, scale: float | None = None):
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
         o = _sdpa(q, keys, values, attn_mask=mask, scale=scale)
     return o.squeeze(0).transpose(0, 1)  # [n, Hq, Dv]
+
+
+def _flash_runs(q, keys) -> bool:
+    """Whether flash attention takes these [1, H, len, D] queries and keys (a GPU, half
+    precision, as many key heads as query heads, D a multiple of 8 up to 256)."""
+    d = keys.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and keys.shape[1] == q.shape[1] and d % 8 == 0 and d <= 256)
 
 
 def decode_attention(q, table, ctxs: list[int], k_cache, v_cache, scale: float | None = None):
