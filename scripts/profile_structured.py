@@ -32,8 +32,8 @@ def wrap(cls, name):
     setattr(cls, name, g)
 for cls, names in [(Engine, ["step", "_update", "_execute", "_report"]), (ModelRunner, ["execute"]),
                    (Scheduler, ["schedule", "update"]),
-                   (Sampler, ["sample_on_device", "_constrain", "_fill_masks", "_read_back", "_shape"]),
-                   (Grammars, ["advance", "bitmask"]), (HostCopy, ["tolist"])]:
+                   (Sampler, ["sample_on_device", "_constrain", "_shape"]),
+                   (Grammars, ["masks", "_fill", "advance", "bitmask"]), (HostCopy, ["tolist"])]:
     for n in names:
         wrap(cls, n)
 model, device, n, m = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

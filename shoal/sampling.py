@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import numbers
 import random
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -209,50 +208,6 @@ class Sampler:
         self._draws: dict[str, tuple[int, int]] = {}  # rid -> (seed, draws so far)
         self._num_sampled: dict[str, int] = {}  # rid -> tokens sampled (min_tokens requests)
         self._counts: TokenCounts | None = None  # output tokens of penalised requests
-        # the last call's constrained rows: (request ids, their tokens on their way to the
-        # host), for their matchers (`prepare`)
-        self._unread: tuple[list[str], HostCopy] | None = None
-        self._masks: tuple[list[str], Future] | None = None  # (request ids, `prepare`'s masks)
-        self._mask_thread: ThreadPoolExecutor | None = None
-
-    def prepare(self, rows) -> None:
-        """Start the masks of `rows` (the constrained requests just sampled) for the next
-        sample on a worker thread: the matchers take the tokens just drawn (the wait for
-        their copy off the device is the worker's), then the rows' masks are filled. So
-        they are computed while the host launches the next forward and the device runs it,
-        not in series with it."""
-        self._wait_for_masks()
-        if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
-        self._masks = ([r.request_id for r in rows], self._mask_thread.submit(self._fill_masks,
-                                                                             rows))
-
-    def _fill_masks(self, rows) -> torch.Tensor:
-        self._read_back()
-        return self.grammars.bitmask(rows)
-
-    def _masks_of(self, rows) -> torch.Tensor:
-        """The rows' masks: those `prepare` filled ahead (after the last sample), the rest
-        (requests that were not in it) filled here."""
-        ahead_ids = self._masks[0] if self._masks is not None else []
-        ahead = self._wait_for_masks()
-        if ahead_ids == [r.request_id for r in rows]:  # a decode batch in steady state
-            return ahead
-        at = {rid: i for i, rid in enumerate(ahead_ids)}
-        kept = [j for j, r in enumerate(rows) if r.request_id in at]
-        if not kept:
-            return self._fill_masks(rows)
-        out = torch.empty(len(rows), ahead.shape[1], dtype=ahead.dtype,
-                          pin_memory=ahead.is_pinned())
-        out[kept] = ahead[[at[rows[j].request_id] for j in kept]]
-        new = [j for j, r in enumerate(rows) if r.request_id not in at]
-        if new:  # (their matchers have taken no token since: nothing to read back)
-            out[new] = self._fill_masks([rows[j] for j in new])
-        return out
-
-    def _wait_for_masks(self) -> torch.Tensor | None:
-        masks, self._masks = self._masks, None
-        return None if masks is None else masks[1].result()
 
     def sample(self, logits: torch.Tensor, rows) -> list[int]:
         return self.sample_on_device(logits, rows).tolist()
@@ -286,31 +241,21 @@ class Sampler:
         if counted is not None:  # the penalised rows' counts take their new tokens
             index, slab_rows = counted
             self._counts.add(slab_rows, tokens.index_select(0, index))
-        if structured:
-            self._unread = ([rows[i].request_id for i in structured],
-                            HostCopy(tokens.index_select(0, structured_index)))
-            self.prepare([rows[i] for i in structured])
+        if structured:  # their next masks, started now (Grammars.prepare)
+            self.grammars.prepare([rows[i] for i in structured],
+                                  HostCopy(tokens.index_select(0, structured_index)))
         for r in rows:
             if r.sampling.min_tokens:
                 self._num_sampled[r.request_id] = self._num_sampled.get(r.request_id, 0) + 1
         return tokens
 
     def forget(self, request_id: str) -> None:
-        if self._masks is not None:  # the worker may be using this request's matcher
-            wait([self._masks[1]])
         self._draws.pop(request_id, None)
         self._num_sampled.pop(request_id, None)
         if self._counts is not None:
             self._counts.forget(request_id)
         if self.grammars is not None:
             self.grammars.forget(request_id)
-
-    def _read_back(self) -> None:
-        """The matchers take the tokens the last call drew for them."""
-        if self._unread is not None:
-            request_ids, tokens = self._unread
-            self._unread = None
-            self.grammars.advance(request_ids, tokens.tolist())
 
     def _constrain(self, logits: torch.Tensor, rows, structured: list[int], own: bool):
         """(logits with every token the structured rows' grammars forbid at -inf, those
@@ -319,7 +264,7 @@ class Sampler:
         if self.grammars is None:
             raise RuntimeError("structured output needs the model's tokenizer")
         sub_rows = [rows[i] for i in structured]
-        bitmask = self._masks_of(sub_rows)
+        bitmask = self.grammars.masks(sub_rows)
         # the rows and their stop tokens in one copy
         at = to_device(structured + [min(r.stop_token_ids, default=0) for r in sub_rows],
                        logits.device)

@@ -1,8 +1,9 @@
 """Structured output: a request's text must match a JSON schema, any JSON object, a regex,
 one of a list of strings, or a grammar (Lark; GBNF is converted). Built on llguidance
 (chosen over xgrammar and outlines-core by measurement, docs/serving.md): one matcher per
-request follows its tokens; before each sample it fills the request's row of a token
-bitmask (a bit per vocabulary entry) on the host, and the sampler applies the bitmask to
+request follows its tokens; for each sample it fills the request's row of a token
+bitmask (a bit per vocabulary entry) on the host, ahead of the sample on a worker thread
+(`Grammars.prepare`), and the sampler applies the bitmask to
 the logits on their device. The mask is computed from tokens the host already has, so it
 adds no device sync of its own; the matcher takes each sampled token once it is read.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +111,10 @@ class Grammars:
         self._executor = None
         self._matchers: dict[str, object] = {}
         self.num_words = (vocab_size + 31) // 32
+        # the last sample's rows: (request ids, their tokens on their way to the host)
+        self._unread: tuple[list[str], object] | None = None
+        self._ahead: tuple[list[str], Future] | None = None  # (request ids, `prepare`'s masks)
+        self._thread: ThreadPoolExecutor | None = None
 
     def _matcher(self, request_id: str, spec: StructuredOutput):
         m = self._matchers.get(request_id)
@@ -145,7 +151,52 @@ class Grammars:
                             "next token", rid, token, m.get_error())
 
     def forget(self, request_id: str) -> None:
+        if self._ahead is not None:  # the worker may be using this request's matcher
+            wait([self._ahead[1]])
         self._matchers.pop(request_id, None)
+
+    # -- the next sample's masks, filled ahead on a worker thread --------------------------
+
+    def prepare(self, rows, tokens) -> None:
+        """Start the masks of `rows` (requests just sampled; `tokens`: their tokens, a
+        `shoal.util.HostCopy` on its way from the device) for the next sample on a worker
+        thread: the wait for the copy is the worker's, then the matchers take the tokens and
+        the rows' masks are filled. So they are computed while the host launches the next
+        forward and the device runs it, not in series with it."""
+        self._wait()
+        self._unread = ([r.request_id for r in rows], tokens)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
+        self._ahead = ([r.request_id for r in rows], self._thread.submit(self._fill, rows))
+
+    def masks(self, rows) -> torch.Tensor:
+        """The rows' masks (`bitmask`): those `prepare` filled ahead, the rest (requests
+        that were not in the last sample) filled here."""
+        ahead_ids = self._ahead[0] if self._ahead is not None else []
+        ahead = self._wait()
+        if ahead_ids == [r.request_id for r in rows]:  # a decode batch in steady state
+            return ahead
+        at = {rid: i for i, rid in enumerate(ahead_ids)}
+        kept = [j for j, r in enumerate(rows) if r.request_id in at]
+        if not kept:
+            return self._fill(rows)
+        out = torch.empty(len(rows), ahead.shape[1], dtype=ahead.dtype,
+                          pin_memory=ahead.is_pinned())
+        out[kept] = ahead[[at[rows[j].request_id] for j in kept]]
+        new = [j for j, r in enumerate(rows) if r.request_id not in at]
+        if new:  # (their matchers have taken no token since: nothing to read back)
+            out[new] = self._fill([rows[j] for j in new])
+        return out
+
+    def _fill(self, rows) -> torch.Tensor:
+        if self._unread is not None:  # the matchers take the last sample's tokens first
+            (request_ids, tokens), self._unread = self._unread, None
+            self.advance(request_ids, tokens.tolist())
+        return self.bitmask(rows)
+
+    def _wait(self) -> torch.Tensor | None:
+        ahead, self._ahead = self._ahead, None
+        return None if ahead is None else ahead[1].result()
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

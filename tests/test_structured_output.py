@@ -83,28 +83,30 @@ def test_the_overlap_loop_gives_the_same_constrained_tokens(smollm2_path, smollm
 
 def test_masks_filled_in_the_sample_give_the_same_tokens(smollm2):
     """The masks of the next sample are started on a worker thread at the end of each
-    sample (`prepare`); a sample takes those of its rows that were in the last one and
-    fills the rest (a request's first) itself. Rows leave at different steps here. The same
-    tokens as with every mask filled in the sample; only each request's first mask was."""
+    sample (`Grammars.prepare`); a sample takes those of its rows that were in the last one
+    and fills the rest (a request's first) itself. Rows leave at different steps here. The
+    same tokens as with every mask filled in the sample; only each request's first mask was."""
     sps = [SamplingParams(max_tokens=40, structured_output=StructuredOutput(json_schema=PERSON)),
            SamplingParams(max_tokens=40, temperature=0.8, seed=5,
                           structured_output=StructuredOutput(regex="[A-Z][a-z]+( [a-z]+)*\\.")),
            SamplingParams(max_tokens=7, structured_output=StructuredOutput(regex="[a-z ]+")),
            SamplingParams(max_tokens=12)]
-    sampler = smollm2.engine.runner.sampler
+    grammars = smollm2.engine.runner.sampler.grammars
     filled_here = []
-    fill = sampler._fill_masks
-    sampler._fill_masks = lambda rows: (
+    fill = grammars._fill
+    grammars._fill = lambda rows: (
         filled_here.extend(r.request_id for r in rows
                            if not threading.current_thread().name.startswith("shoal-grammar")),
         fill(rows))[1]
     try:
         ahead = [o.token_ids for o in smollm2.chat([ASK] * 4, sps)]
         assert len(filled_here) == len(set(filled_here)) == 3
-        sampler.prepare = lambda rows: None  # none prepared ahead
+        # none prepared ahead: the tokens wait for the sample's own fill
+        grammars.prepare = lambda rows, tokens: setattr(
+            grammars, "_unread", ([r.request_id for r in rows], tokens))
         in_the_sample = [o.token_ids for o in smollm2.chat([ASK] * 4, sps)]
     finally:
-        del sampler.prepare, sampler._fill_masks  # the class's again
+        del grammars.prepare, grammars._fill  # the class's again
     assert in_the_sample == ahead
     assert [len(t) for t in ahead[2:]] == [7, 12]
 
