@@ -360,10 +360,16 @@ def test_bench_pool_io_on_cuda():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("widths", [(64, 64), (192, 128)])  # (q/k, v): dense, MLA expanded
 @pytest.mark.parametrize("n,ctx", [(300, 300), (5, 300), (64, 1000)])
-def test_causal_attention_on_cuda_matches_the_masked_reference(dtype, widths, n, ctx):
-    """The GPU's causal attention (flash where it runs: the end-aligned window as a causal
-    bias, values narrower than the keys padded) against the explicit mask in float64."""
-    from shoal.model.attention_backend import causal_attention
+def test_causal_attention_on_cuda_matches_the_masked_reference(dtype, widths, n, ctx,
+                                                                monkeypatch):
+    """The GPU's causal attention against the explicit mask in float64: in half precision
+    through flash (a tail with flash's own end-aligned window, values narrower than the keys
+    padded), in float32 through the masked kernels."""
+    from shoal.model import attention_backend as ab
+    flash_tails = []
+    real = ab._flash_causal
+    monkeypatch.setattr(ab, "_flash_causal", lambda *a: (flash_tails.append(1), real(*a))[1])
+    causal_attention = ab.causal_attention
     d, dv = widths
     gen = torch.Generator().manual_seed(n + ctx + d)
     q, keys, values = (torch.randn(*shape, generator=gen)
@@ -374,5 +380,7 @@ def test_causal_attention_on_cuda_matches_the_masked_reference(dtype, widths, n,
     ref = torch.einsum("hnc,hcv->nhv", logits.masked_fill(~visible, float("-inf")).softmax(-1),
                        values.double())
     assert out.shape == (n, 4, dv)
+    flash = dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 0)
+    assert len(flash_tails) == (flash and n < ctx)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)

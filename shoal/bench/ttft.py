@@ -115,7 +115,7 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
                                                    llm.stats()["bytes_loaded"])
     if skip_load_only:
         return _report_without_load_only(model, device, prompt, rounds, pool_read_gbps, runs,
-                                         hits)
+                                         hits, block_size)
     med = {k: statistics.median(v) for k, v in runs.items()}
     # C and L as the first two runs imply them (fixed costs included): both at once
     floor = med["recomputed"] * med["load_only"] / (med["recomputed"] + med["load_only"])
@@ -158,13 +158,15 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     return 0
 
 
-def _report_without_load_only(model, device, prompt, rounds, pool_read_gbps, runs, hits) -> int:
+def _report_without_load_only(model, device, prompt, rounds, pool_read_gbps, runs, hits,
+                              block_size: int) -> int:
     """Each round's compute + load against the median recompute: the first round's engine
     had no load rate (its first hit), later ones what the earlier rounds learned."""
     recomputed = statistics.median(runs["recomputed"])
     ratios = [t / recomputed for t in runs["compute_and_load"]]
     result = {"bench": "ttft", "model": model, "device": device, "prompt_tokens": len(prompt),
-              "rounds": rounds, "pool_read_gbps": pool_read_gbps, "load_only": "skipped",
+              "block_size": block_size, "rounds": rounds, "pool_read_gbps": pool_read_gbps,
+              "load_only": "skipped",
               "ttft_recomputed_s": recomputed,
               "ttft_pool_s": [round(t, 4) for t in runs["compute_and_load"]],
               "ratio_first_hit": ratios[0], "ratio_median": statistics.median(ratios),
@@ -173,7 +175,7 @@ def _report_without_load_only(model, device, prompt, rounds, pool_read_gbps, run
                                                "loaded_tokens": h.num_loaded_tokens}
                        for h in hits],
               "all_recomputed_s": [round(x, 4) for x in runs["recomputed"]]}
-    print(f"{len(prompt)}-token prompt, fresh engines"
+    print(f"{len(prompt)}-token prompt, {block_size}-token blocks, fresh engines"
           f"{f', reads capped at {pool_read_gbps:g} GB/s' if pool_read_gbps else ''}, "
           f"no load-only engine, {rounds} rounds")
     print(f"  TTFT recomputed (median)        {recomputed:8.3f} s")
@@ -207,7 +209,8 @@ def run_ttft_dp(model: str, prefix_tokens: int, dp: int, device: str, block_size
               "ttft_warm_owner0_s": warm[0].metrics.ttft_s,
               "ttft_warm_owner1_s": warm[1].metrics.ttft_s,
               "ratio_owner1_over_cold": warm[1].metrics.ttft_s / cold.metrics.ttft_s}
-    print(f"{len(prompt)}-token prompt, {dp} ADP owners sharing one pool")
+    print(f"{len(prompt)}-token prompt, {block_size}-token blocks, {dp} ADP owners sharing "
+          f"one pool")
     print(f"  cold (owner 0 computes, saves {saved} blocks per owner)   {cold.metrics.ttft_s:8.3f} s")
     print(f"  warm fleet, owner 0 (loads its own saves)        {warm[0].metrics.ttft_s:8.3f} s")
     print(f"  warm fleet, owner 1 (loads owner 0's saves)      {warm[1].metrics.ttft_s:8.3f} s  "

@@ -111,7 +111,7 @@ def causal_attention(q, keys, values, scale: float | None = None):
     n, ctx, dv = q.shape[0], keys.shape[1], values.shape[-1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    if _flash_runs(q, keys):
+    if _flash_runs(q, keys, values):
         # Flash attention takes no mask and no values narrower than the keys: MLA's values
         # (128 wide against 192) are padded with zeros, and with fewer queries than keys its
         # causal window is aligned to the end, as needed here. Else the memory-efficient
@@ -122,8 +122,7 @@ def causal_attention(q, keys, values, scale: float | None = None):
         if n == ctx:
             o = _sdpa(q, keys, values, is_causal=True, scale=scale)
         else:
-            o = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True,
-                                                                   scale=scale)[0]
+            o = _flash_causal(q, keys, values, scale)
         o = o[..., :dv]
     elif n == ctx:
         o = _sdpa(q, keys, values, is_causal=True, scale=scale)
@@ -135,12 +134,22 @@ def causal_attention(q, keys, values, scale: float | None = None):
     return o.squeeze(0).transpose(0, 1)  # [n, Hq, Dv]
 
 
-def _flash_runs(q, keys) -> bool:
-    """Whether flash attention takes these [1, H, len, D] queries and keys (a GPU, half
-    precision, as many key heads as query heads, D a multiple of 8 up to 256)."""
+def _flash_runs(q, keys, values) -> bool:
+    """Whether flash attention takes these [1, H, len, D] queries, keys and values (a GPU
+    of compute capability 8.0 or later with SDPA's flash backend on, half precision, as many
+    key heads as query heads, D a multiple of 8 up to 256, values no wider than the keys)."""
     d = keys.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and keys.shape[1] == q.shape[1] and d % 8 == 0 and d <= 256)
+            and keys.shape[1] == q.shape[1] and d % 8 == 0 and d <= 256
+            and values.shape[-1] <= d and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def _flash_causal(q, keys, values, scale: float | None):
+    """Flash attention, causal, over [1, H, len, D] tensors; with fewer queries than keys
+    its window is aligned to the end (query i sees keys up to ctx - n + i)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True,
+                                                              scale=scale)[0]
 
 
 def decode_attention(q, table, ctxs: list[int], k_cache, v_cache, scale: float | None = None):
