@@ -301,6 +301,11 @@ def test_bench_ttft_from_the_tier_with_capped_reads():
     assert hit["host_tokens"] == 32  # the engine expected all of it from host memory
 
 
+def test_bench_ttft_refuses_a_block_size_below_one():
+    r = shoal("bench", "ttft", "--block-size", "0")
+    assert r.returncode == 2 and "--block-size: must be at least 1, got 0" in r.stderr
+
+
 def test_bench_ttft_first_hit_on_a_dead_slow_store():
     """`--skip-load-only` with reads capped far below computing (a block in 70 s): the first
     engine knows no load rate, waits briefly for a first block that does not come and

@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_bench_parser(b: argparse.ArgumentParser) -> None:
     """`shoal bench`'s subcommands and their options."""
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -26,7 +33,7 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                      "from the front while the back loads) vs recomputed (--dp 2: two owners "
                      "sharing the pool; --tp 3: every engine a TP fleet)",
                      prefix_tokens=2048, rounds=2, dp=1, tp=1)
-    tt.add_argument("--block-size", type=int, default=16,
+    tt.add_argument("--block-size", type=_positive, default=16,
                     help="tokens per KV block, and so per pool file (default 16)")
     tt.add_argument("--pool-read-gbps", type=float, metavar="GBPS",
                     help="cap the pool's file reads at this rate (the fs connector's "

@@ -13,6 +13,7 @@ A backend holds no state of its own: the model's layers share one.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -111,27 +112,23 @@ def causal_attention(q, keys, values, scale: float | None = None):
     n, ctx, dv = q.shape[0], keys.shape[1], values.shape[-1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    if _flash_runs(q, keys, values):
-        # Flash attention takes no mask and no values narrower than the keys: MLA's values
-        # (128 wide against 192) are padded with zeros, and with fewer queries than keys its
-        # causal window is aligned to the end, as needed here. Else the memory-efficient
-        # kernel runs, 2-4x slower at 8k tokens (scripts/mla_sdpa_probe.py). (SDPA's
-        # lower-right causal bias would choose the same, but importing it imports dynamo.)
-        if dv != keys.shape[-1]:
-            values = F.pad(values, (0, keys.shape[-1] - dv))
-        if n == ctx:
-            o = _sdpa(q, keys, values, is_causal=True, scale=scale)
-        else:
-            o = _flash_causal(q, keys, values, scale)
-        o = o[..., :dv]
-    elif n == ctx:
+    flash = _flash_runs(q, keys, values)
+    if flash and dv != keys.shape[-1]:  # flash takes no values narrower than the keys:
+        values = F.pad(values, (0, keys.shape[-1] - dv))  # MLA's (128 of 192) padded
+    if n == ctx:
         o = _sdpa(q, keys, values, is_causal=True, scale=scale)
+    elif flash:
+        # Flash takes no mask, and with fewer queries than keys its causal window is
+        # aligned to the end, as needed here; else the memory-efficient kernel runs the
+        # mask, 2-4x slower at 8k tokens (scripts/mla_sdpa_probe.py). (SDPA's lower-right
+        # causal bias would choose the same, but importing it imports dynamo.)
+        o = _flash_causal(q, keys, values, scale)
     else:
         # Query i sits at position ctx - n + i and sees keys j <= that position.
         q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
         o = _sdpa(q, keys, values, attn_mask=mask, scale=scale)
-    return o.squeeze(0).transpose(0, 1)  # [n, Hq, Dv]
+    return o[..., :dv].squeeze(0).transpose(0, 1)  # [n, Hq, Dv]
 
 
 def _flash_runs(q, keys, values) -> bool:
@@ -142,7 +139,13 @@ def _flash_runs(q, keys, values) -> bool:
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and keys.shape[1] == q.shape[1] and d % 8 == 0 and d <= 256
             and values.shape[-1] <= d and torch.backends.cuda.flash_sdp_enabled()
-            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+            and _capability(q.device.index) >= (8, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    """A CUDA device's compute capability (asked once per device)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def _flash_causal(q, keys, values, scale: float | None):
