@@ -52,7 +52,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 1)])
 def test_decode_matches_reference(dtype, block_size, heads):
     g = torch.Generator().manual_seed(block_size * 10 + heads[0] + heads[1])
@@ -81,7 +81,7 @@ def test_decode_padding_row_is_zero():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 3)])
 def test_prefill_matches_reference(dtype, block_size, heads):
     """Ragged chunks: a whole prompt, chunks continuing cached context, a one-token chunk."""

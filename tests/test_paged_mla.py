@@ -16,7 +16,8 @@ from tests.test_paged_attention import DEVICE, tables  # noqa: E402
 
 
 # bfloat16 on a GPU only (Triton's interpreter computes in numpy, which has none)
-CASES = [(16, 20, torch.float32), (32, 16, torch.float32), (16, 4, torch.float32)] + (
+CASES = [(16, 20, torch.float32), (32, 16, torch.float32), (16, 4, torch.float32),
+         (64, 16, torch.float32)] + (
     [(16, 16, torch.bfloat16), (16, 128, torch.bfloat16)] if DEVICE == "cuda" else [])
 
 
