@@ -28,7 +28,7 @@ from shoal.engine.table_rows import TableRows
 from shoal.kv.kv_cache import KVCache
 from shoal.util import HostCopy, cdiv
 from shoal.model.llama import AttentionMetadata, LlamaModel, PagedInputs
-from shoal.model.paged_attention import warm_up
+from shoal.model.moe import SparseMoE
 from shoal.request import Request
 from shoal.sampling import Sampler, SamplingParams, TokenLogprobs, compute_logprobs
 
@@ -149,14 +149,15 @@ class ModelRunner:
         return out
 
     def _warm_up(self) -> None:
-        if self.model.cfg.is_mla:  # no K/V kernels; the latent decode compiles in the
-            return  # graphs' warm-up (or, with enforce_eager, in the first decode step)
-        attn = self.model.layers[0].self_attn
-        k_cache, v_cache = self.kv_cache.layers[0]
-        q = torch.empty(1, attn.num_heads, attn.head_dim, dtype=k_cache.dtype,
-                        device=self.device)
+        """Compile the Triton kernels of attention and of the MoE (each tile size) now, not
+        in the first request that needs one: decode graphs' capture reaches only some, and
+        an eager engine or a TP or ADP rank captures none."""
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         with torch.inference_mode():
-            warm_up(q, k_cache, v_cache, self.kv_cache.scratch_block)
+            self.model.layers[0].self_attn.warm_up(*self.kv_cache.layers[0],
+                                                   self.kv_cache.scratch_block)
+            if moe:
+                moe[0].warm_up()
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once a request can never be scheduled again."""

@@ -120,7 +120,9 @@ if HAS_TRITON:
         local = tl.where(a < num, local, -1)
         return a, local, local[:, None] == tl.arange(0, E_PAD)[None, :]
 
-    @triton.jit
+    # the assignment and tile counts change with the batch: not specialized on (Triton would
+    # compile a variant for counts of 1 and for multiples of 16, in whichever request has one)
+    @triton.jit(do_not_specialize=["first", "num"])
     def _count_kernel(chosen_ptr, counts_ptr, first, num, CHUNK: tl.constexpr,
                       NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr):
         """counts[chunk, e]: how many of a chunk's assignments go to expert e."""
@@ -128,7 +130,7 @@ if HAS_TRITON:
         tl.store(counts_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD),
                  tl.sum(onehot.to(tl.int32), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first", "num", "num_chunks", "num_tiles"])
     def _place_kernel(chosen_ptr, counts_ptr, ahead_ptr, row_ids_ptr, tile_expert_ptr, first,
                       num, num_chunks, num_tiles, CHUNK: tl.constexpr,
                       NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -19,6 +19,7 @@ from shoal.model.config import ModelConfig
 from shoal.model.layers import MLP, RMSNorm
 from shoal.model.mla import MLAttention
 from shoal.model.moe import SparseMoE
+from shoal.model.paged_attention import warm_up as paged_warm_up
 from shoal.model.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from shoal.model.shard import Shard
 
@@ -67,6 +68,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+
+    def warm_up(self, k_cache, v_cache, scratch_block: int) -> None:
+        """Compile the paged kernels now (the Triton backend's bring-up)."""
+        q = k_cache.new_empty(1, self.num_heads, self.head_dim)
+        paged_warm_up(q, k_cache, v_cache, scratch_block)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         # x [T, hidden]; cos/sin [T, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]

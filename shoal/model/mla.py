@@ -27,6 +27,7 @@ from shoal.model.attention_backend import (attend_per_request, causal_attention,
                                            decode_attention, gather_blocks)
 from shoal.model.config import ModelConfig
 from shoal.model.layers import RMSNorm
+from shoal.model import paged_mla
 from shoal.model.paged_mla import mla_decode
 from shoal.model.rope import apply_rope, softmax_scale
 from shoal.util import to_device
@@ -102,6 +103,12 @@ class MLAttention(nn.Module):
                                                     ctxs),
             lambda rows, block_ids, ctx: self.expanded(q_nope[rows], q_rot[rows], cache,
                                                        block_ids, ctx))
+
+    def warm_up(self, cache: torch.Tensor, no_values: None, scratch_block: int) -> None:
+        """Compile the decode kernel now (the Triton backend's bring-up; as
+        Attention.warm_up, whose value cache the latent has none of)."""
+        q = self.kv_b_proj.weight.new_empty(1, self.num_heads, self.latent + self.rope)
+        paged_mla.warm_up(q, cache, self.latent, self.scale, scratch_block)
 
     def _kv_b(self) -> torch.Tensor:
         """kv_b_proj per head [H, nope + v, L]: W_uk rows first, then W_uv."""

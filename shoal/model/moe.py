@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.model.config import DEEPSEEK, ModelConfig
-from shoal.model.fused_moe import fused_experts
+from shoal.model.fused_moe import TILES, fused_experts
 from shoal.model.layers import MLP
 
 # family -> (the HF module holding the router and experts, expert weight names: gate, up, down)
@@ -64,6 +64,16 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         return self.shard.every_token(x, meta, self.partial)
+
+    def warm_up(self) -> None:
+        """Compile the router's and the fused experts' kernels, at every tile size, now (a
+        GPU engine's bring-up) rather than in the first forward that routes few rows to
+        each expert: an engine without decode graphs met the small tiles in its first
+        short prefill (1.8 s with a cold Triton cache)."""
+        x = self.gate_up.new_zeros(1, self.cfg.hidden_size)
+        weights, chosen = self.route(x)
+        for tiles in TILES.values():
+            fused_experts(x, self.gate_up, self.down, weights, chosen, self.first, tiles)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k])."""

@@ -132,6 +132,20 @@ def num_splits(batch: int, head_tiles: int, device: torch.device) -> int:
     return 1 << (want.bit_length() - 1)
 
 
+def warm_up(q_like: torch.Tensor, cache: torch.Tensor, latent_dim: int, scale: float,
+            scratch_block: int) -> None:
+    """Compile the latent decode at every split count now (start-up): `num_splits` picks
+    one per batch size, so an engine without decode graphs would meet each in the first
+    step of that size. `q_like` [1, H, L + R]: the queries' heads, width and dtype."""
+    q = torch.zeros_like(q_like)
+    table = torch.full((1, 1), scratch_block, dtype=torch.int32, device=cache.device)
+    lens = torch.ones(1, dtype=torch.int32, device=cache.device)
+    splits = 1
+    while splits <= MAX_SPLITS:
+        mla_decode(q, cache, table, lens, latent_dim, scale, splits=splits)
+        splits *= 2
+
+
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                context_lens: torch.Tensor, latent_dim: int, scale: float,
                out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
