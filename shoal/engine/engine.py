@@ -105,8 +105,7 @@ class Engine:
         tokenizer = self.tokenizer  # the callable holds it alone: no cycle keeps the engine
         self.runner.sampler.grammars = Grammars(lambda: tokenizer.hf, self.info.vocab_size,
                                                 self.eos_token_ids)
-        if self.transfers is not None and self.transfers.partial_loads:
-            self._measure_prefill()
+        self._first_forwards()
         self.overlap = config.overlap_scheduler
         self._forward = (ThreadPoolExecutor(1, thread_name_prefix="shoal-forward")
                          if self.overlap else None)
@@ -125,19 +124,22 @@ class Engine:
                         "prompt_tokens": 0, "generated_tokens": 0, "local_prefix_hit_tokens": 0}
         freeze_what_was_built()
 
-    def _measure_prefill(self) -> None:
-        """The prefill rate a load split starts from, from forwards of two sizes (after a
-        first one that pays one-time costs, which no request's forward then pays). One rank
+    def _first_forwards(self) -> None:
+        """On a GPU, a prefill forward pays the first forward's one-time costs (Triton's
+        compiles, cuBLAS's set-up) here rather than in the first request; with a pool that
+        loads in part, two more measure the prefill rate a load split starts from. One rank
         only: the forward of a rank in a group would wait for its peers."""
-        if self.peers.topology.world_size > 1:
+        measure = self.transfers is not None and self.transfers.partial_loads
+        if self.peers.topology.world_size > 1 or not (measure or self.kv_cache.tensor.is_cuda):
             return
         # (no longer than a request can be: the probe takes a row of the block table too)
         large = min(self.config.max_num_tokens, PROBE_TOKENS_GPU if self.kv_cache.tensor.is_cuda
                     else PROBE_TOKENS_CPU, self.runner.table_width * self.runner.block_size)
         small = max(large // 4, 1)
         self.runner.time_prefill(small)
-        self.transfers.planner.calibrate_prefill((small, self.runner.time_prefill(small)),
-                                                 (large, self.runner.time_prefill(large)))
+        if measure:
+            self.transfers.planner.calibrate_prefill((small, self.runner.time_prefill(small)),
+                                                     (large, self.runner.time_prefill(large)))
 
     # -- requests ------------------------------------------------------------------------------
 

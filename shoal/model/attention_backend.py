@@ -52,7 +52,7 @@ def attend_per_request(meta, out: torch.Tensor, block_size: int, decode, prefill
     decode's result itself)."""
     p = meta.paged
     starts, lens, ctxs = p.host
-    table = p.block_table.long()
+    table = p.block_table  # (int32 on a GPU: the kernels are compiled for it)
     decodes = [s for s, n in enumerate(lens) if n == 1]
     if len(decodes) == len(lens):  # steady-state decode: rows in request order
         return decode(slice(None), table, ctxs)
