@@ -48,6 +48,7 @@ class PoolHit:
     num_loaded_tokens: int = 0  # of them loaded and used (the rest was recomputed)
     prefill_tokens_per_s: float = 0.0  # the rates the decision used (0: not measured yet)
     load_tokens_per_s: float = 0.0  # this hit's: the store's and host memory's, weighed
+    load_latency_s: float = 0.0  # the expected wait for the load's first block
     num_host_tokens: int = 0  # of the matched tokens, expected from the worker's host memory
 
 

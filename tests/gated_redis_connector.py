@@ -15,7 +15,7 @@ HELD = threading.Event()
 
 
 class GatedRedisWorker(RedisPoolWorker):
-    def _load_blocks(self, transfers, queue):
+    def _load_blocks(self, transfers, queue, after=None):
         HELD.set()
         GATE.wait(120)
-        super()._load_blocks(transfers, queue)
+        super()._load_blocks(transfers, queue, after)

@@ -136,6 +136,7 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
             "loaded_tokens": last.num_loaded_tokens,
             "prefill_tokens_per_s": round(last.prefill_tokens_per_s),
             "load_tokens_per_s": round(last.load_tokens_per_s),
+            "load_latency_s": round(last.load_latency_s, 4),
             "host_tokens": last.num_host_tokens},
         "first_run_s": round(first_s, 4),
         **{f"all_{k}_s": [round(x, 4) for x in v] for k, v in runs.items()},

@@ -264,7 +264,8 @@ class LoadPlanner:
         """The rates a hit's decision weighs (0: not measured yet), as PoolHit keeps them."""
         expected = self.expected_rate(host_share)
         return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
-                "load_tokens_per_s": expected[0] if expected else 0.0}
+                "load_tokens_per_s": expected[0] if expected else 0.0,
+                "load_latency_s": expected[1] if expected else 0.0}
 
     def _load_rate(self, num_landed: int, waited: float | None, host_share: float,
                    num_pending: int) -> tuple[float, float] | None:

@@ -66,10 +66,24 @@ class PagedMover:
 
     # -- loads (I/O threads) --------------------------------------------------------------
 
+    def fence(self) -> torch.cuda.Event | None:
+        """An event after the work launched so far on the calling thread's stream (the
+        executing thread's, before a step's forward): the copies of the loads started now
+        wait for it (`load`'s `after`). Blocks just handed to a load may still be in use by
+        those steps (a request preempted while its last step runs frees its blocks at
+        once); a forward launched later never touches them (a split's front computes
+        other blocks), so the copies do not wait for the front's forward."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def load(self, keys: list[bytes], block_ids: list[int], read: ReadFn,
-             corrupt: CorruptFn) -> None:
+             corrupt: CorruptFn, after: torch.cuda.Event | None = None) -> None:
         """Bring blocks `keys[i]` into KV block `block_ids[i]`; `read(i, dest)` reads block
-        i's file into `dest` (None: not usable, the block is left as is). If the mover
+        i's file into `dest` (None: not usable, the block is left as is); the copies wait
+        for `after` (a `fence`; None: for all work launched so far). If the mover
         `verifies`, the GPU checks each read block against read's checksum and calls
         `corrupt(i)` for one that fails. Returns once every copy has ended."""
         per = self.tier.blocks_per_page
@@ -78,7 +92,7 @@ class PagedMover:
             for first in range(0, len(keys), per):
                 in_flight.append(self._load_chunk(keys[first:first + per],
                                                   block_ids[first:first + per], read, first,
-                                                  in_flight, corrupt))
+                                                  in_flight, corrupt, after))
                 while len(in_flight) > IN_FLIGHT_CHUNKS:
                     self._finish(in_flight.popleft(), corrupt)
         finally:
@@ -97,7 +111,7 @@ class PagedMover:
             raise error
 
     def _load_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque,
-                    corrupt: CorruptFn) -> _Chunk:
+                    corrupt: CorruptFn, after: torch.cuda.Event | None) -> _Chunk:
         tier = self.tier
         where, pages, misses = self._find(keys)
         try:
@@ -130,7 +144,7 @@ class PagedMover:
                 read_or_hit = (i for i, w in enumerate(where) if w is not None)
                 place = {i: n for n, i in enumerate(read_or_hit)}
                 checks = [(place[i], c) for i, c in to_check]
-            event, verdicts = self._copy_in(rows, checks)
+            event, verdicts = self._copy_in(rows, checks, after)
             return _Chunk(event, pages, [(offset + i, keys[i], where[i]) for i, _ in to_check],
                           verdicts)
         except BaseException:  # let go of the pages held, once no copy may read them
@@ -147,10 +161,12 @@ class PagedMover:
         return (where, [w[0] for w in where if w is not None],
                 [i for i, w in enumerate(where) if w is None])
 
-    def _copy_in(self, rows: list[tuple[tuple[int, int], int]], checks: list[tuple[int, int]]
+    def _copy_in(self, rows: list[tuple[tuple[int, int], int]], checks: list[tuple[int, int]],
+                 after: torch.cuda.Event | None
                  ) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
-        """Copy tier slots into KV blocks: [((page, slot), block id)]; checks: (place in
-        rows, checksum) of the rows the GPU verifies. Returns the copies' event and, for
+        """Copy tier slots into KV blocks: [((page, slot), block id)], after `after` (see
+        `load`); checks: (place in rows, checksum) of the rows the GPU verifies. Returns
+        the copies' event and, for
         the checks, a pinned int8 tensor (1: verified) that is valid once the event is."""
         if not rows:
             return None, None
@@ -158,13 +174,12 @@ class PagedMover:
             for (page, slot), block in rows:
                 self.kv_rows[block].copy_(self.tier.rows(page, slot, 1)[0].view(self.word))
             return None, None
-        # after the forwards launched so far (on the default stream, which is this thread's
-        # current one): one may still use these blocks' previous contents (a request
-        # preempted while its last step runs frees its blocks at once)
-        compute = torch.cuda.current_stream(self.device)
         stream, staging = self._thread_buffers()
         with torch.cuda.stream(stream):
-            stream.wait_stream(compute)
+            if after is not None:
+                stream.wait_event(after)
+            else:  # the forwards launched so far (on the default stream, this thread's too)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
             n = 0
             for page, first, count in _runs([w for w, _ in rows]):
                 staging[n:n + count].copy_(self.tier.rows(page, first, count).view(self.word),

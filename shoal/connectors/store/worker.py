@@ -133,16 +133,18 @@ class StoreWorker(KvConnectorWorker):
         by_request: dict[str, list[BlockTransfer]] = {}
         for t in meta.loads:
             by_request.setdefault(t.request_id, []).append(t)
+        # (on a GPU: the copies wait for the steps launched so far, not for this one's)
+        after = self._mover.fence() if self._mover is not None and by_request else None
         for rid, transfers in by_request.items():
             # reads straight into the cache can stop between blocks; a mover's copies cannot
             queue = self._queues[rid] = LoadQueue(self._load_units(transfers),
                                                   per_block=self._mover is None)
             if self.is_async:  # a task per thread, each taking units until none is left
-                futures = [self._io.submit(self._load_queue, queue)
+                futures = [self._io.submit(self._load_queue, queue, after)
                            for _ in range(min(self._num_threads, queue.num_units))]
             else:
                 futures = [Future()]
-                self._load_queue(queue)
+                self._load_queue(queue, after)
                 futures[0].set_result(None)
             self._loads.setdefault(rid, []).extend(futures)
 
@@ -161,11 +163,12 @@ class StoreWorker(KvConnectorWorker):
         units = [tier, *(stored[i:i + per_unit] for i in range(0, len(stored), per_unit))]
         return [unit for unit in units if unit]
 
-    def _load_queue(self, queue: LoadQueue) -> None:
-        """An I/O task: load the queue's units until none is left (or the rest is dropped)."""
+    def _load_queue(self, queue: LoadQueue, after=None) -> None:
+        """An I/O task: load the queue's units until none is left (or the rest is dropped);
+        `after`: the event the copies wait for (PagedMover.fence)."""
         while (unit := queue.pop()) is not None:
             try:
-                self._load_blocks(unit, queue)
+                self._load_blocks(unit, queue, after)
             finally:  # its copies have ended, landed or failed
                 queue.done(unit)
 
@@ -264,7 +267,8 @@ class StoreWorker(KvConnectorWorker):
 
     # -- I/O threads -------------------------------------------------------------------
 
-    def _load_blocks(self, transfers: list[BlockTransfer], queue: LoadQueue) -> None:
+    def _load_blocks(self, transfers: list[BlockTransfer], queue: LoadQueue,
+                     after=None) -> None:
         """Load one unit; once its request is aborted, the blocks not read yet are skipped."""
         start = time.perf_counter()
         reader = self.store.read_unit([self._key(t) for t in transfers], self.spec)
@@ -289,7 +293,7 @@ class StoreWorker(KvConnectorWorker):
                 failed.append(i)
                 self._corrupt(transfers[i], CorruptBlock("checksum", "payload checksum mismatch"))
             self._mover.load([self._key(t) for t in transfers],
-                             [t.block_id for t in transfers], read, corrupt)
+                             [t.block_id for t in transfers], read, corrupt, after)
             ok = len(transfers) - len(failed)
         with self._lock:
             self._stats["bytes_loaded"] += ok * self.layout.block_nbytes
