@@ -79,3 +79,13 @@ def test_a_read_waiting_for_its_turn_gives_up_when_dropped():
     thread.join(10)
     assert given_up == [False]
     assert q.wait_turn(back[0], 0.0)  # block 9's turn has come (its time is past)
+
+
+def test_the_queue_keeps_where_the_front_took_over():
+    """The worker reports a load's first failed block at or past this point: a failed read
+    of a block dropped since is the front's to compute, not the load's."""
+    q = LoadQueue(units([9, 8], [7, 6]), per_block=True)
+    assert q.dropped_to == 0
+    q.drop(7)
+    q.drop(5)  # (a drop never moves back)
+    assert q.dropped_to == 7

@@ -106,6 +106,21 @@ def test_a_fast_load_ramping_up_is_not_taken_for_slow():
     assert p.front_step(0, 0, 125, 127, started=0.0, now=0.03).num_tokens > 0
 
 
+def test_a_front_whose_forward_still_runs_plans_its_next_share_after_it():
+    """The overlap loop schedules the next step while the front's forward runs: the next
+    share computes after it, so no more is planned where the load ends with it (a share
+    planned as if the forward had ended grew the 8B front from ~3,400 to 4,416 tokens)."""
+    p = planner(prefill=50_000.0, load=90_000.0)
+    first = p.admit(0, 512).first  # 8192 tokens: ~2,900 computed, the rest loaded
+    assert 2600 <= first.num_tokens <= 3200, first
+    front = first.num_tokens
+    busy = p.compute_seconds(0, front)  # just launched
+    still = p.front_step(front, first.drop_to, 512, 512, started=0.0, now=0.001, busy=busy)
+    assert still.num_tokens == 0 and still.drop_to == 0, still
+    # the same step as if the forward were done takes a share of what the load has left
+    assert p.front_step(front, first.drop_to, 512, 512, started=0.0, now=0.001).num_tokens > 0
+
+
 def test_the_first_landed_unit_is_not_taken_for_the_rate():
     """A store with 50 ms to its first blocks and fast after: 16 blocks landed 60 ms in.
     Over the whole wait that is ~4,300 tokens/s, slower than computing (5,000): the front

@@ -121,6 +121,12 @@ class LoadPlanner:
         """The work of computing positions [start, start + num_tokens) of a request."""
         return num_tokens + self.attention_weight * num_tokens * (start + num_tokens / 2)
 
+    def compute_seconds(self, start: int, num_tokens: int) -> float:
+        """The expected time of a forward computing positions [start, start + num_tokens)
+        (0 while the prefill rate is unknown)."""
+        C = self.prefill_tps.value
+        return self.prefill_overhead_s + self.work(start, num_tokens) / C if C else 0.0
+
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float]) -> None:
         """Two forwards of different sizes from position 0, (tokens, seconds) each: the
         prefill rate from their difference and a forward's fixed cost from the rest (a GPU's
@@ -199,17 +205,21 @@ class LoadPlanner:
         return LoadDecision(max(first, step.drop_to), step)
 
     def _ends(self, front: int, x: int, remaining: int, C: float, L: float,
-              latency: float) -> float:
-        """When a front of x of the `remaining` tokens and a load of the rest both end."""
-        computed = self.prefill_overhead_s + self.work(front, x) / C if x else 0.0
+              latency: float, busy: float = 0.0) -> float:
+        """When a front of x of the `remaining` tokens (computed once `busy` seconds of the
+        front's earlier forwards are done) and a load of the rest both end."""
+        computed = busy + self.prefill_overhead_s + self.work(front, x) / C if x else busy
         return max(computed, latency + (remaining - x) / L)
 
     def front_step(self, front: int, writes_from: int, landed_from: int, end: int,
-                   started: float | None, now: float, host_share: float = 0.0) -> FrontStep:
+                   started: float | None, now: float, host_share: float = 0.0,
+                   busy: float = 0.0) -> FrontStep:
         """The front at token `front` of a hit ending at block `end`; the load may still
         write blocks [writes_from, landed_from) and has landed the rest; it started at
         `started` (None: it has not started yet); `host_share` of the hit is expected from
-        host memory."""
+        host memory; `busy`: seconds the front's forwards already launched still take (the
+        overlap loop schedules a step while the last one runs: the front's next share
+        computes after them)."""
         bs = self.block_size
         C = self.prefill_tps.value
         remaining = landed_from * bs - front  # tokens between the front and the landed blocks
@@ -224,20 +234,22 @@ class LoadPlanner:
                 return FrontStep(min(remaining, self.max_num_tokens), landed_from)
             return FrontStep(0, 0)
         L, latency = rate
-        # the front's share x: they end together, overhead + work(front, x) / C = latency +
-        # (R - x) / L (a forward's fixed cost on one side, the load's first-block latency on
-        # the other): a2 x^2 + a1 x + a0 = 0, its positive root in a form stable at a2 = 0
+        # the front's share x: they end together, busy + overhead + work(front, x) / C =
+        # latency + (R - x) / L (a forward's fixed cost on one side, the load's first-block
+        # latency on the other): a2 x^2 + a1 x + a0 = 0, its positive root in a form stable
+        # at a2 = 0
         a2 = self.attention_weight / (2 * C)
         a1 = (1 + self.attention_weight * front) / C + 1 / L
-        a0 = self.prefill_overhead_s - latency - remaining / L
+        a0 = busy + self.prefill_overhead_s - latency - remaining / L
         exact = -2 * a0 / (a1 + math.sqrt(max(a1 * a1 - 4 * a2 * a0, 0.0)))
         if remaining - exact < bs:  # the load would not add a block: compute it all
             return FrontStep(min(remaining, self.max_num_tokens), landed_from)
         share = max(int(exact) // bs * bs, 0)
         # of the block boundaries around the exact share, the one where both sides end
         # sooner (with a slow store, the block rounding down gives the load costs more)
-        if (share + bs < remaining and self._ends(front, share + bs, remaining, C, L, latency)
-                < self._ends(front, share, remaining, C, L, latency)):
+        if (share + bs < remaining
+                and self._ends(front, share + bs, remaining, C, L, latency, busy)
+                < self._ends(front, share, remaining, C, L, latency, busy)):
             share += bs
         if share < bs or self.work(front, share) < C * self.prefill_overhead_s:  # less than
             # a forward's fixed cost

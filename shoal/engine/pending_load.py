@@ -35,6 +35,7 @@ class PendingLoad:
     first_landed: float | None = None  # when a landed block was first reported
     host_share: float = 0.0  # of the hit, the share expected from the worker's host memory
     is_cancelled: bool = False  # cancelled while pending: ends once the load drains
+    front_busy_until: float = 0.0  # when the front's forwards scheduled so far should end
 
     @property
     def end_token(self) -> int:
@@ -62,8 +63,10 @@ class PendingLoad:
         block is recomputed). `bad`: the first block that failed (None: none). A failed
         block and everything after it is recomputed, or with policy "fail" the request
         ends with an error."""
-        if bad is not None and bad * block_size < start:
-            bad = None  # a block the front computes anyway (under TP, dropped on one rank)
+        if bad is not None and bad * block_size < start:  # a block the front computed (a
+            # drop after the read failed, or under TP on one rank): the report names the
+            # first failed block only, so those after it are not known good either
+            bad = start // block_size
         if bad is None:
             return self.end_token, None, False
         if policy == "fail":

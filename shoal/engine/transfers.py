@@ -158,15 +158,26 @@ class KVTransfers:
         front = req.num_computed_tokens
         if not load.is_planned:  # admitted this step: its plan is not out yet, and the
             # admission's split holds (a drop now would unplan blocks the engine waits for)
-            return load.front_limit(load.first_tokens, front, self.ctx.block_size)
+            return self._front(load, load.first_tokens, front)
         end = load.end_block(self.ctx.block_size)
+        now = time.monotonic()
         step = self._decide(lambda: self.planner.front_step(
-            front, load.writes_from, load.landed_from, end, load.started, time.monotonic(),
-            load.host_share))
+            front, load.writes_from, load.landed_from, end, load.started, now,
+            load.host_share, busy=max(load.front_busy_until - now, 0.0)))
         if step.drop_to > load.dropped_to:
             self._drop(req, step.drop_to)
             load.dropped_to = step.drop_to
-        return load.front_limit(step.num_tokens, front, self.ctx.block_size)
+        return self._front(load, step.num_tokens, front)
+
+    def _front(self, load: PendingLoad, num_tokens: int, front: int) -> int:
+        """The front's tokens this step (at most `num_tokens`: PendingLoad.front_limit), and
+        when its forwards should end (the overlap loop plans the next step's share while
+        this one's forward runs)."""
+        n = load.front_limit(num_tokens, front, self.ctx.block_size)
+        if n:
+            load.front_busy_until = (max(load.front_busy_until, time.monotonic())
+                                     + self.planner.compute_seconds(front, n))
+        return n
 
     def take_landed(self, req: Request) -> int | None:
         """If the request's load is done and its front reached the landed blocks: the tokens

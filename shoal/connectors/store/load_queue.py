@@ -34,6 +34,7 @@ class LoadQueue:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a read ended, or a drop
         self.is_aborted = False  # the units running skip the blocks they have not read
+        self.dropped_to = 0  # blocks below this one were dropped (the front computes them)
 
     def abort(self) -> None:
         self.drop(self.end)
@@ -93,6 +94,7 @@ class LoadQueue:
         and (per block) the unclaimed blocks of running units; returns once no read below
         it is under way."""
         with self._lock:
+            self.dropped_to = max(self.dropped_to, num_blocks)
             keep = deque()
             for unit in self._units:
                 if max(t.block_index for t in unit) < num_blocks:

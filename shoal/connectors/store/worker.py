@@ -67,7 +67,7 @@ class StoreWorker(KvConnectorWorker):
         self._final: dict[str, LoadProgress] = {}  # loads reported finished by the last poll
         self._throttle = None if opts.max_read_gbps is None else Throttle(opts.max_read_gbps)
         self._saves: dict[str, list[Future]] = {}
-        self._bad_block: dict[str, int] = {}  # rid -> first failed block index (loads pending)
+        self._bad_blocks: dict[str, list[int]] = {}  # rid -> failed blocks (loads pending)
         self._failed: dict[str, int] = {}  # failures of loads reported finished
         self._stats = dict(bytes_loaded=0, bytes_saved=0, load_seconds=0.0, save_seconds=0.0,
                            corrupt_blocks=0, missing_blocks=0, save_failures=0,
@@ -208,13 +208,17 @@ class StoreWorker(KvConnectorWorker):
                         and _all_done(self._loads[rid])}
         for rid in done_saving:
             self._saves.pop(rid, None)
-        self._final = {rid: self._queues.pop(rid).progress() for rid in done_loading
-                       if rid in self._queues}
+        queues = {rid: self._queues.pop(rid) for rid in done_loading if rid in self._queues}
+        self._final = {rid: queue.progress() for rid, queue in queues.items()}
         with self._lock:
             for rid in done_loading:
                 self._loads.pop(rid, None)
-                if rid in self._bad_block:
-                    self._failed[rid] = self._bad_block.pop(rid)
+                # a failed block the front took over (dropped after its read failed) is not
+                # the load's: the first failed block it still had
+                dropped_to = queues[rid].dropped_to if rid in queues else 0
+                bad = [i for i in self._bad_blocks.pop(rid, ()) if i >= dropped_to]
+                if bad:
+                    self._failed[rid] = min(bad)
         return done_saving, done_loading
 
     def abort(self, request_ids: list[str]) -> None:
@@ -235,7 +239,7 @@ class StoreWorker(KvConnectorWorker):
         wait(running)
         with self._lock:
             for rid in request_ids:
-                self._bad_block.pop(rid, None)
+                self._bad_blocks.pop(rid, None)
                 self._failed.pop(rid, None)
 
     def get_load_progress(self, loading_ids: list[str]) -> dict[str, LoadProgress]:
@@ -341,8 +345,7 @@ class StoreWorker(KvConnectorWorker):
     def _record_failure(self, t: BlockTransfer, counter: str) -> None:
         with self._lock:
             self._stats[counter] += 1
-            prev = self._bad_block.get(t.request_id)
-            self._bad_block[t.request_id] = t.block_index if prev is None else min(prev, t.block_index)
+            self._bad_blocks.setdefault(t.request_id, []).append(t.block_index)
 
     def _save_block(self, t: BlockTransfer, payload: memoryview) -> bool:
         """Publish one block from `payload`; True if the pool has it now."""

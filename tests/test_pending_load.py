@@ -1,0 +1,32 @@
+"""What a finished pool load leaves usable when a block of it failed (PendingLoad.outcome)."""
+
+from __future__ import annotations
+
+from shoal.engine.pending_load import PendingLoad
+from shoal.request import PoolHit
+
+BS = 4
+
+
+def load(num_cached: int = 0, num_external: int = 40) -> PendingLoad:
+    return PendingLoad(None, num_cached, num_external, PoolHit("split", num_external),
+                       True, 0, 10, 0)
+
+
+def test_a_failure_past_the_front_is_recomputed_from_the_failed_block():
+    assert load().outcome(16, 6, BS, "recompute") == (24, None, True)
+    assert load().outcome(16, 6, BS, "fail") == (0, "KV load from the pool failed at block 6",
+                                                 False)
+
+
+def test_no_failure_leaves_the_whole_hit():
+    assert load(8, 32).outcome(16, None, BS, "recompute") == (40, None, False)
+
+
+def test_a_failed_block_the_front_computed_leaves_the_rest_unknown():
+    """The report names the first failed block only: one below the front (its read failed,
+    then the front took it over) says nothing good of the blocks after it, which are
+    recomputed from the front on (or fail the request), never taken as landed."""
+    assert load().outcome(28, 6, BS, "recompute") == (28, None, True)
+    error = load().outcome(28, 6, BS, "fail")[1]
+    assert error == "KV load from the pool failed at block 7"
