@@ -89,3 +89,19 @@ def test_the_queue_keeps_where_the_front_took_over():
     q.drop(7)
     q.drop(5)  # (a drop never moves back)
     assert q.dropped_to == 7
+
+
+def test_progress_says_when_blocks_landed():
+    """The first block's landing time stays; the latest moves on (the engine measures a
+    load by them, not by its polls, which a forward running meanwhile delays)."""
+    q = LoadQueue(units([9, 8], [7, 6]))
+    assert q.progress().first_landed_at is None and q.progress().last_landed_at is None
+    before = time.monotonic()
+    q.done(q.pop())
+    first = q.progress()
+    assert before <= first.first_landed_at == first.last_landed_at <= time.monotonic()
+    q.done(q.pop())
+    last = q.progress()
+    assert last.first_landed_at == first.first_landed_at
+    assert first.last_landed_at <= last.last_landed_at <= time.monotonic()
+    assert last == LoadProgress(writes_from=6, landed_from=6)  # (times aside)

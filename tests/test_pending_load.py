@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from shoal.connectors.base import LoadProgress
 from shoal.engine.pending_load import PendingLoad
 from shoal.request import PoolHit
 
@@ -30,3 +33,21 @@ def test_a_failed_block_the_front_computed_leaves_the_rest_unknown():
     assert load().outcome(28, 6, BS, "recompute") == (28, None, True)
     error = load().outcome(28, 6, BS, "fail")[1]
     assert error == "KV load from the pool failed at block 7"
+
+
+def test_a_load_is_measured_by_when_its_blocks_landed_not_by_the_polls():
+    """A load that landed while a 150 ms forward ran was taken for one that took the whole
+    forward (the engine polls between steps): the worker's landing times are used."""
+    p = load()
+    p.started = 100.0
+    p.take_progress(LoadProgress(7, 9, first_landed_at=100.02, last_landed_at=100.02), BS)
+    p.take_progress(LoadProgress(7, 7, first_landed_at=100.02, last_landed_at=100.05), BS)
+    tokens, seconds, first, _ = p.measured(28)
+    assert tokens == 12 and seconds == pytest.approx(0.05) and first == pytest.approx(0.02)
+
+
+def test_without_the_worker_s_times_the_polls_count():
+    p = load()
+    p.take_progress(LoadProgress(7, 9), BS)
+    assert p.first_landed is not None and p.last_landed is None
+    assert p.measured(28)[1] >= p.first_landed - p.started

@@ -121,6 +121,11 @@ class LoadProgress:
 
     writes_from: int  # no copy of the load writes a block below this index any more
     landed_from: int  # every block of the load at or above this index has landed
+    # when (time.monotonic() on this host) the worker saw the load's first block and its
+    # latest block land; None: not known (the engine takes its polls' times, which a
+    # forward running meanwhile delays); not part of equality
+    first_landed_at: float | None = field(default=None, compare=False)
+    last_landed_at: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

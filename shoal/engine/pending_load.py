@@ -8,6 +8,7 @@ below it any more), `landed_from` is where the landed blocks begin.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +33,8 @@ class PendingLoad:
     started: float = field(default_factory=time.monotonic)
     first_tokens: int = 0  # the front's share in the admission step
     is_planned: bool = False  # its loads went out in a plan (drops reach the worker now)
-    first_landed: float | None = None  # when a landed block was first reported
+    first_landed: float | None = None  # when a block first landed (or was first reported)
+    last_landed: float | None = None  # when the latest block landed, if the worker said
     host_share: float = 0.0  # of the hit, the share expected from the worker's host memory
     is_cancelled: bool = False  # cancelled while pending: ends once the load drains
     front_busy_until: float = 0.0  # when the front's forwards scheduled so far should end
@@ -55,7 +57,8 @@ class PendingLoad:
         """The finished load as LoadPlanner.observe_load takes it: tokens landed (from token
         `start`), seconds, seconds to the first landed block (None: not seen), host share."""
         first = None if self.first_landed is None else self.first_landed - self.started
-        return self.end_token - start, time.monotonic() - self.started, first, self.host_share
+        end = self.last_landed if self.last_landed is not None else time.monotonic()
+        return self.end_token - start, end - self.started, first, self.host_share
 
     def outcome(self, start: int, bad: int | None, block_size: int,
                 policy: str) -> tuple[int, str | None, bool]:
@@ -81,8 +84,12 @@ class PendingLoad:
         end = self.end_block(block_size)
         self.writes_from = max(self.writes_from, min(progress.writes_from, end))
         self.landed_from = min(self.landed_from, progress.landed_from)
-        if self.first_landed is None and self.landed_from < end:
-            self.first_landed = time.monotonic()
+        if self.landed_from < end:  # the worker's times where it gave them
+            if progress.first_landed_at is not None:
+                self.first_landed = min(self.first_landed or math.inf, progress.first_landed_at)
+            elif self.first_landed is None:
+                self.first_landed = time.monotonic()
+            self.last_landed = progress.last_landed_at
 
     def landed_start(self, block_size: int) -> int:
         """Tokens: where the finished load's landed blocks begin (the front computed the

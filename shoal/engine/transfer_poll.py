@@ -136,8 +136,13 @@ class TransferPoller:
         if partial:
             at = n + 2 * m + len(pending)
             for i, rid in enumerate(loads):
-                if agreed[at + m + i] != -NO_FAILURE:
-                    report.progress[rid] = LoadProgress(agreed[at + i], -agreed[at + m + i])
+                landed = -agreed[at + m + i]
+                if landed != NO_FAILURE:  # this rank's landing times where its word is the
+                    # agreed one (TP: a rank behind it landed later)
+                    mine = self._progress.get(rid)
+                    times = ((mine.first_landed_at, mine.last_landed_at)
+                             if mine is not None and mine.landed_from == landed else ())
+                    report.progress[rid] = LoadProgress(agreed[at + i], landed, *times)
         for rid, done in zip(saves, agreed):
             if done:
                 report.finished_saving.add(rid)

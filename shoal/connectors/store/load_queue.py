@@ -35,6 +35,7 @@ class LoadQueue:
         self._changed = threading.Condition(self._lock)  # a read ended, or a drop
         self.is_aborted = False  # the units running skip the blocks they have not read
         self.dropped_to = 0  # blocks below this one were dropped (the front computes them)
+        self._landed_at: tuple[float, float] | None = None  # (first, latest) block landing
 
     def abort(self) -> None:
         self.drop(self.end)
@@ -79,6 +80,7 @@ class LoadQueue:
         """Per block: the read of block `t` has ended (its bytes landed, or it failed)."""
         with self._lock:
             self._state[t.block_index - self.first] = self.LANDED
+            self._stamp()
             self._changed.notify_all()
 
     def done(self, unit: list[BlockTransfer]) -> None:
@@ -88,6 +90,7 @@ class LoadQueue:
                 i = t.block_index - self.first
                 if self._state[i] != 0:
                     self._state[i] = self.LANDED
+            self._stamp()
 
     def drop(self, num_blocks: int) -> None:
         """Take the blocks below `num_blocks` off the load: the queued units wholly below it,
@@ -121,7 +124,12 @@ class LoadQueue:
             pending = next((i for i, s in enumerate(state)
                             if s in (self.QUEUED, self.RUNNING, self.READING)), None)
             writes_from = landed if pending is None else pending
-            return LoadProgress(self.first + writes_from, self.first + landed)
+            return LoadProgress(self.first + writes_from, self.first + landed,
+                                *(self._landed_at or (None, None)))
+
+    def _stamp(self) -> None:
+        now = time.monotonic()
+        self._landed_at = (self._landed_at[0] if self._landed_at else now, now)
 
     def _mark(self, unit: list[BlockTransfer], state: int) -> None:
         for t in unit:
