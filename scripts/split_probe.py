@@ -20,8 +20,8 @@ from shoal.util import cdiv
 
 model, n = sys.argv[1], int(sys.argv[2])
 bs = int(sys.argv[3]) if len(sys.argv) > 3 else 16
-kw = dict(device=os.environ.get("DEVICE", "cuda"), block_size=bs, max_num_tokens=max(n, 2048), enforce_eager=True,
-          num_kv_blocks=cdiv(n, bs) + 64)
+kw = dict(device=os.environ.get("DEVICE", "cuda"), block_size=bs, max_num_tokens=max(n, 2048),
+          enforce_eager=True, num_kv_blocks=cdiv(n, bs) + 64)
 events: list[tuple[float, str]] = []
 tracing = False
 

@@ -184,7 +184,7 @@ def test_policy_fail_ends_the_request_with_an_error(tiny_model, prompt, pool, mo
         llm.check_integrity()
         monkeypatch.setattr(pf, "read_block_into", real)
         again = llm.generate([prompt[:5]], SP)[0]  # the engine goes on
-    assert out.finish_reason == "error" and "failed at block" in out.error, (out.pool_hit, out.error)
+    assert out.finish_reason == "error" and "failed at block" in out.error, out.pool_hit
     assert again.finish_reason == "length"
 
 

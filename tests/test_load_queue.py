@@ -81,14 +81,27 @@ def test_a_read_waiting_for_its_turn_gives_up_when_dropped():
     assert q.wait_turn(back[0], 0.0)  # block 9's turn has come (its time is past)
 
 
-def test_the_queue_keeps_where_the_front_took_over():
-    """The worker reports a load's first failed block at or past this point: a failed read
-    of a block dropped since is the front's to compute, not the load's."""
-    q = LoadQueue(units([9, 8], [7, 6]), per_block=True)
-    assert q.dropped_to == 0
-    q.drop(7)
-    q.drop(5)  # (a drop never moves back)
-    assert q.dropped_to == 7
+def test_a_failed_block_of_a_unit_copied_whole_is_the_load_s_even_below_a_drop():
+    """A drop cannot stop a unit being copied: its blocks land, the failed one with them,
+    and the engine takes every block from landed_from on as loaded, so that one is
+    reported; a failed block below landed_from was dropped (the front computes it)."""
+    q = LoadQueue(units([9, 8], [7, 6], [5, 4]))  # a GPU's mover: units copied whole
+    q.done(q.pop())
+    running = q.pop()
+    q.drop(8)  # takes [5, 4] only
+    q.done(running)
+    assert q.progress() == LoadProgress(writes_from=6, landed_from=6)
+    assert q.first_bad([7]) == 7 and q.first_bad([]) is None
+    per_block = LoadQueue(units([9, 8], [7, 6]), per_block=True)
+    back = per_block.pop()
+    failed = per_block.pop()[1]  # block 6: its read failed, it landed (nothing usable)
+    assert per_block.claim(failed)
+    per_block.land(failed)
+    per_block.drop(8)  # takes the unclaimed block 7
+    for t in back:
+        assert per_block.claim(t)
+        per_block.land(t)
+    assert per_block.progress().landed_from == 8 and per_block.first_bad([6]) is None
 
 
 def test_progress_says_when_blocks_landed():

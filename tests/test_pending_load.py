@@ -32,7 +32,7 @@ def test_a_failed_block_the_front_computed_leaves_the_rest_unknown():
     recomputed from the front on (or fail the request), never taken as landed."""
     assert load().outcome(28, 6, BS, "recompute") == (28, None, True)
     error = load().outcome(28, 6, BS, "fail")[1]
-    assert error == "KV load from the pool failed at block 7"
+    assert error == "KV load from the pool failed at block 6"
 
 
 def test_a_load_is_measured_by_when_its_blocks_landed_not_by_the_polls():
@@ -51,3 +51,18 @@ def test_without_the_worker_s_times_the_polls_count():
     p.take_progress(LoadProgress(7, 9), BS)
     assert p.first_landed is not None and p.last_landed is None
     assert p.measured(28)[1] >= p.first_landed - p.started
+
+
+def test_the_front_is_busy_only_while_its_chunks_are_in_flight():
+    """KVTransfers counts a front chunk when it is scheduled and again when its step is
+    applied: the plain loop (nothing in flight at schedule time) never waits on an estimate
+    that ran long."""
+    p = load()
+    assert p.front_busy(0.0) == 0.0
+    p.schedule_front(10.0)
+    now = p.front_busy_until - 4.0
+    assert p.front_busy(now) == pytest.approx(4.0)
+    p.schedule_front(1.0)  # after the first one's forward
+    assert p.front_busy(now) == pytest.approx(5.0)
+    p.front_in_flight = 0  # both steps applied (front_applied)
+    assert p.front_busy(now) == 0.0

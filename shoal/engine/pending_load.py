@@ -32,12 +32,13 @@ class PendingLoad:
     dropped_to: int  # blocks below this index were dropped from the load (or never in it)
     started: float = field(default_factory=time.monotonic)
     first_tokens: int = 0  # the front's share in the admission step
+    front_in_flight: int = 0  # the front's chunks scheduled, their steps not applied yet
     is_planned: bool = False  # its loads went out in a plan (drops reach the worker now)
     first_landed: float | None = None  # when a block first landed (or was first reported)
     last_landed: float | None = None  # when the latest block landed, if the worker said
     host_share: float = 0.0  # of the hit, the share expected from the worker's host memory
     is_cancelled: bool = False  # cancelled while pending: ends once the load drains
-    front_busy_until: float = 0.0  # when the front's forwards scheduled so far should end
+    front_busy_until: float = 0.0  # when those chunks' forwards should end
 
     @property
     def end_token(self) -> int:
@@ -53,6 +54,16 @@ class PendingLoad:
         may still write."""
         return max(min(num_tokens, self.writes_from * block_size - front), 0)
 
+    def schedule_front(self, seconds: float) -> None:
+        """A chunk of the front was scheduled; its forward should take `seconds`."""
+        self.front_in_flight += 1
+        self.front_busy_until = max(self.front_busy_until, time.monotonic()) + seconds
+
+    def front_busy(self, now: float) -> float:
+        """Seconds the front's chunks in flight should still take (the overlap loop plans a
+        step while the last one runs: the front's next share computes after them)."""
+        return max(self.front_busy_until - now, 0.0) if self.front_in_flight else 0.0
+
     def measured(self, start: int) -> tuple[int, float, float | None, float]:
         """The finished load as LoadPlanner.observe_load takes it: tokens landed (from token
         `start`), seconds, seconds to the first landed block (None: not seen), host share."""
@@ -66,14 +77,15 @@ class PendingLoad:
         block is recomputed). `bad`: the first block that failed (None: none). A failed
         block and everything after it is recomputed, or with policy "fail" the request
         ends with an error."""
-        if bad is not None and bad * block_size < start:  # a block the front computed (a
-            # drop after the read failed, or under TP on one rank): the report names the
-            # first failed block only, so those after it are not known good either
+        failed = bad
+        if bad is not None and bad * block_size < start:  # a block the front computed (under
+            # TP, landed on one rank and dropped on another): the report names the first
+            # failed block only, so the blocks after it are not known good either
             bad = start // block_size
         if bad is None:
             return self.end_token, None, False
         if policy == "fail":
-            return self.num_cached, f"KV load from the pool failed at block {bad}", False
+            return self.num_cached, f"KV load from the pool failed at block {failed}", False
         return min(max(bad * block_size, start), self.end_token), None, True
 
     def take_progress(self, progress: LoadProgress, block_size: int) -> None:

@@ -155,6 +155,8 @@ class Scheduler:
             is_current = chunk.epoch == req.num_preemptions and req.status == RequestStatus.RUNNING
             if is_current:
                 self.kv.cache_computed_blocks(req, chunk.start + chunk.num_tokens)
+                if self.transfers is not None and self.transfers.has_fronts:
+                    self.transfers.front_applied(req)
             if not chunk.is_sampling:
                 continue
             token = next(tokens)

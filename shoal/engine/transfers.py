@@ -163,21 +163,24 @@ class KVTransfers:
         now = time.monotonic()
         step = self._decide(lambda: self.planner.front_step(
             front, load.writes_from, load.landed_from, end, load.started, now,
-            load.host_share, busy=max(load.front_busy_until - now, 0.0)))
+            load.host_share, busy=load.front_busy(now)))
         if step.drop_to > load.dropped_to:
             self._drop(req, step.drop_to)
             load.dropped_to = step.drop_to
         return self._front(load, step.num_tokens, front)
 
     def _front(self, load: PendingLoad, num_tokens: int, front: int) -> int:
-        """The front's tokens this step (at most `num_tokens`: PendingLoad.front_limit), and
-        when its forwards should end (the overlap loop plans the next step's share while
-        this one's forward runs)."""
+        """The front's tokens this step (at most `num_tokens`: PendingLoad.front_limit)."""
         n = load.front_limit(num_tokens, front, self.ctx.block_size)
         if n:
-            load.front_busy_until = (max(load.front_busy_until, time.monotonic())
-                                     + self.planner.compute_seconds(front, n))
+            load.schedule_front(self.planner.compute_seconds(front, n))
         return n
+
+    def front_applied(self, req: Request) -> None:
+        """A step with a chunk of the request ran (the scheduler applied it)."""
+        load = self._loads.get(req.request_id)
+        if load is not None and load.front_in_flight:
+            load.front_in_flight -= 1
 
     def take_landed(self, req: Request) -> int | None:
         """If the request's load is done and its front reached the landed blocks: the tokens

@@ -34,7 +34,6 @@ class LoadQueue:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a read ended, or a drop
         self.is_aborted = False  # the units running skip the blocks they have not read
-        self.dropped_to = 0  # blocks below this one were dropped (the front computes them)
         self._landed_at: tuple[float, float] | None = None  # (first, latest) block landing
 
     def abort(self) -> None:
@@ -86,18 +85,20 @@ class LoadQueue:
     def done(self, unit: list[BlockTransfer]) -> None:
         """The unit's copies have ended: its blocks not dropped have landed."""
         with self._lock:
+            landed = False
             for t in unit:
                 i = t.block_index - self.first
                 if self._state[i] != 0:
+                    landed = landed or self._state[i] != self.LANDED
                     self._state[i] = self.LANDED
-            self._stamp()
+            if landed:  # (per block, each landed as it was read)
+                self._stamp()
 
     def drop(self, num_blocks: int) -> None:
         """Take the blocks below `num_blocks` off the load: the queued units wholly below it,
         and (per block) the unclaimed blocks of running units; returns once no read below
         it is under way."""
         with self._lock:
-            self.dropped_to = max(self.dropped_to, num_blocks)
             keep = deque()
             for unit in self._units:
                 if max(t.block_index for t in unit) < num_blocks:
@@ -126,6 +127,13 @@ class LoadQueue:
             writes_from = landed if pending is None else pending
             return LoadProgress(self.first + writes_from, self.first + landed,
                                 *(self._landed_at or (None, None)))
+
+    def first_bad(self, failed) -> int | None:
+        """Of the blocks whose reads failed, the first one the finished load counts as
+        landed (from `progress().landed_from` on: a unit copied whole lands every block of
+        it, a dropped one too); one below that was dropped, the front's to compute."""
+        landed_from = self.progress().landed_from
+        return min((i for i in failed if i >= landed_from), default=None)
 
     def _stamp(self) -> None:
         now = time.monotonic()

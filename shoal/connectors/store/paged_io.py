@@ -166,8 +166,8 @@ class PagedMover:
                  ) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
         """Copy tier slots into KV blocks: [((page, slot), block id)], after `after` (see
         `load`); checks: (place in rows, checksum) of the rows the GPU verifies. Returns
-        the copies' event and, for
-        the checks, a pinned int8 tensor (1: verified) that is valid once the event is."""
+        the copies' event and, for the checks, a pinned int8 tensor (1: verified) that is
+        valid once the event is."""
         if not rows:
             return None, None
         if not self.is_cuda:

@@ -213,12 +213,10 @@ class StoreWorker(KvConnectorWorker):
         with self._lock:
             for rid in done_loading:
                 self._loads.pop(rid, None)
-                # a failed block the front took over (dropped after its read failed) is not
-                # the load's: the first failed block it still had
-                dropped_to = queues[rid].dropped_to if rid in queues else 0
-                bad = [i for i in self._bad_blocks.pop(rid, ()) if i >= dropped_to]
-                if bad:
-                    self._failed[rid] = min(bad)
+                failed = self._bad_blocks.pop(rid, ())
+                bad = queues[rid].first_bad(failed) if rid in queues else min(failed, default=None)
+                if bad is not None:
+                    self._failed[rid] = bad
         return done_saving, done_loading
 
     def abort(self, request_ids: list[str]) -> None:
