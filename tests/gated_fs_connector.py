@@ -16,12 +16,12 @@ __all__ = ["BackLastFsWorker", "FsPoolScheduler", "GatedFsWorker"]
 
 
 class GatedFsWorker(FsPoolWorker):
-    def _load_blocks(self, transfers, queue, after=None):
+    def _load_blocks(self, transfers, queue):
         gate = os.environ.get("SHOAL_TEST_LOAD_GATE")
         if gate:
             with open(gate, "rb"):
                 pass
-        super()._load_blocks(transfers, queue, after)
+        super()._load_blocks(transfers, queue)
 
 
 class BackLastFsWorker(FsPoolWorker):
@@ -37,10 +37,10 @@ class BackLastFsWorker(FsPoolWorker):
         self._seen = threading.Event()
         return units
 
-    def _load_blocks(self, transfers, queue, after=None):
+    def _load_blocks(self, transfers, queue):
         if transfers is self._back:
             assert self._seen.wait(60), "the engine never polled the other units landed"
-        super()._load_blocks(transfers, queue, after)
+        super()._load_blocks(transfers, queue)
 
     def get_load_progress(self, loading_ids):
         progress = super().get_load_progress(loading_ids)

@@ -15,7 +15,7 @@ HELD = threading.Event()
 
 
 class GatedRedisWorker(RedisPoolWorker):
-    def _load_blocks(self, transfers, queue, after=None):
+    def _load_blocks(self, transfers, queue):
         HELD.set()
         GATE.wait(120)
-        super()._load_blocks(transfers, queue, after)
+        super()._load_blocks(transfers, queue)

@@ -152,12 +152,13 @@ class ModelRunner:
         """Compile the Triton kernels of attention and of the MoE (each tile size) now, not
         in the first request that needs one: decode graphs' capture reaches only some, and
         an eager engine or a TP or ADP rank captures none."""
-        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        moe = next((layer.mlp for layer in self.model.layers
+                    if isinstance(layer.mlp, SparseMoE)), None)  # (DeepSeek's first are dense)
         with torch.inference_mode():
             self.model.layers[0].self_attn.warm_up(*self.kv_cache.layers[0],
                                                    self.kv_cache.scratch_block)
-            if moe:
-                moe[0].warm_up()
+            if moe is not None:
+                moe.warm_up()
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once a request can never be scheduled again."""

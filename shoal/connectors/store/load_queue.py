@@ -22,7 +22,8 @@ class LoadQueue:
 
     QUEUED, RUNNING, READING, LANDED = 1, 2, 3, 4
 
-    def __init__(self, units: list[list[BlockTransfer]], per_block: bool = False):
+    def __init__(self, units: list[list[BlockTransfer]], per_block: bool = False,
+                 after=None):
         self._units = deque(units)
         self.num_units = len(units)
         self.per_block = per_block
@@ -34,6 +35,7 @@ class LoadQueue:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a read ended, or a drop
         self.is_aborted = False  # the units running skip the blocks they have not read
+        self.after = after  # what the load's copies wait for (on a GPU: PagedMover.fence)
         self._landed_at: tuple[float, float] | None = None  # (first, latest) block landing
 
     def abort(self) -> None:

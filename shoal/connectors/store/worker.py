@@ -138,13 +138,13 @@ class StoreWorker(KvConnectorWorker):
         for rid, transfers in by_request.items():
             # reads straight into the cache can stop between blocks; a mover's copies cannot
             queue = self._queues[rid] = LoadQueue(self._load_units(transfers),
-                                                  per_block=self._mover is None)
+                                                  per_block=self._mover is None, after=after)
             if self.is_async:  # a task per thread, each taking units until none is left
-                futures = [self._io.submit(self._load_queue, queue, after)
+                futures = [self._io.submit(self._load_queue, queue)
                            for _ in range(min(self._num_threads, queue.num_units))]
             else:
                 futures = [Future()]
-                self._load_queue(queue, after)
+                self._load_queue(queue)
                 futures[0].set_result(None)
             self._loads.setdefault(rid, []).extend(futures)
 
@@ -163,12 +163,11 @@ class StoreWorker(KvConnectorWorker):
         units = [tier, *(stored[i:i + per_unit] for i in range(0, len(stored), per_unit))]
         return [unit for unit in units if unit]
 
-    def _load_queue(self, queue: LoadQueue, after=None) -> None:
-        """An I/O task: load the queue's units until none is left (or the rest is dropped);
-        `after`: the event the copies wait for (PagedMover.fence)."""
+    def _load_queue(self, queue: LoadQueue) -> None:
+        """An I/O task: load the queue's units until none is left (or the rest is dropped)."""
         while (unit := queue.pop()) is not None:
             try:
-                self._load_blocks(unit, queue, after)
+                self._load_blocks(unit, queue)
             finally:  # its copies have ended, landed or failed
                 queue.done(unit)
 
@@ -269,8 +268,7 @@ class StoreWorker(KvConnectorWorker):
 
     # -- I/O threads -------------------------------------------------------------------
 
-    def _load_blocks(self, transfers: list[BlockTransfer], queue: LoadQueue,
-                     after=None) -> None:
+    def _load_blocks(self, transfers: list[BlockTransfer], queue: LoadQueue) -> None:
         """Load one unit; once its request is aborted, the blocks not read yet are skipped."""
         start = time.perf_counter()
         reader = self.store.read_unit([self._key(t) for t in transfers], self.spec)
@@ -295,7 +293,7 @@ class StoreWorker(KvConnectorWorker):
                 failed.append(i)
                 self._corrupt(transfers[i], CorruptBlock("checksum", "payload checksum mismatch"))
             self._mover.load([self._key(t) for t in transfers],
-                             [t.block_id for t in transfers], read, corrupt, after)
+                             [t.block_id for t in transfers], read, corrupt, queue.after)
             ok = len(transfers) - len(failed)
         with self._lock:
             self._stats["bytes_loaded"] += ok * self.layout.block_nbytes
