@@ -6,7 +6,9 @@ The CPU tests run the kernels through Triton's interpreter, which accepts some p
 compiler refuses; GPU time is scarce, so this compiles them ahead of time (Triton's own
 ptxas, no driver needed) at the shapes a GPU run uses: the MLA decode kernel with and
 without context splits and their fold, the dense rope, MLA's rope + norm + cache write, the fused MoE's
-router, its two GEMMs and its routing layout; structured output's logit mask.
+router, its two GEMMs and its routing layout; the dense prefill over a split context and
+its fold; structured output's logit mask; the pool's
+GPU checksum (both passes).
 Prints one line per kernel; exits 1 if any fails. The lent GPU's Triton may be older than
 this machine's, so a pass here is a good sign, not a proof.
 """
@@ -25,7 +27,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import shoal.model.fused_moe as moe  # noqa: E402
 import shoal.model.fused_ops as ops  # noqa: E402
+import shoal.model.paged_attention as pa  # noqa: E402
 import shoal.model.paged_mla as mla  # noqa: E402
+import shoal.connectors.store.gpu_xxh3 as xxh3  # noqa: E402
 import shoal.structured_output as so  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -97,6 +101,28 @@ def cases():
     yield "structured output's mask, 49k vocabulary", so._mask_kernel, *signature(
         {"logits_ptr": "fp32", "rows_ptr": "i64", "mask_ptr": "i32", "stops_ptr": "i64"},
         ["stride", "mask_stride", "vocab"], dict(BLOCK=4096))
+    # Llama-3-8B's prefill: 32 query heads over 8 KV heads of 128, 64-token blocks
+    sig, consts = signature(
+        {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "o_ptr": "bf16", "part_ptr": "fp32",
+         "stats_ptr": "fp32", "table_ptr": "i32", "starts_ptr": "i32", "lens_ptr": "i32",
+         "ctx_ptr": "i32"},
+        ["stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
+         "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_table", "num_rows",
+         "num_parts"],
+        dict(H=32, G=4, D=128, DP=128, BLOCK_SIZE=64, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32"))
+    sig["scale"] = "fp32"
+    yield "prefill, a context in parts", pa._prefill_kernel, sig, consts
+    yield "prefill's fold of the parts", pa._combine_kernel, *signature(
+        {"o_ptr": "bf16", "part_ptr": "fp32", "stats_ptr": "fp32", "starts_ptr": "i32",
+         "lens_ptr": "i32"}, ["stride_ot", "stride_oh", "num_rows", "num_parts"],
+        dict(H=32, D=128, DP=128, BLOCK_M=64))
+    yield "pool checksum, block sums", xxh3._block_sums_kernel, *signature(
+        {"rows_ptr": "i64", "ids_ptr": "i64", "consts_ptr": "i64", "sums_ptr": "i64"},
+        ["row_words", "num_blocks"], dict(G=xxh3.SEGMENT))
+    yield "pool checksum, chain", xxh3._chain_kernel, *signature(
+        {"rows_ptr": "i64", "ids_ptr": "i64", "consts_ptr": "i64", "sums_ptr": "i64",
+         "expected_ptr": "i64", "hashes_ptr": "i64", "ok_ptr": "i8"},
+        ["row_words", "num_words", "num_blocks", "tail_stripes"], dict(T=xxh3.CHAIN_TILE))
 
 
 def main() -> int:

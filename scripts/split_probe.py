@@ -2,10 +2,13 @@
 each engine step (its length, the tokens the request's front computed), each planner
 decision (admission and the front's steps) and each load progress poll.
 
-    PYTHONPATH=$PWD python3 scripts/split_probe.py random:llama-8b 8192 64
+    [IO_THREADS=N] PYTHONPATH=$PWD python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
 As `shoal bench ttft` runs it: an engine computes and saves the prompt, a load-only
-engine teaches the rates (kept for the next engine), then the traced engine's hit.
+engine teaches the rates (kept for the next engine), then the traced engine's hit. With
+`tier`, each engine first computes and saves the prompt under a fresh salt, then the traced
+request (same salt) hits the blocks its host tier kept. Also traced: the pool lookup, the
+start of loads, the polls that report loads finished, each forward.
 """
 import os
 import sys
@@ -15,13 +18,17 @@ from shoal import LLM
 from shoal.bench.ttft import ONE, _prompt, bench_pool
 from shoal.connectors.store.worker import StoreWorker
 from shoal.engine.engine import Engine
+from shoal.connectors.store.scheduler import StoreScheduler
 from shoal.engine.load_split import LoadPlanner
+from shoal.engine.model_runner import ModelRunner
 from shoal.util import cdiv
 
 model, n = sys.argv[1], int(sys.argv[2])
 bs = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+source = sys.argv[4] if len(sys.argv) > 4 else "files"
 kw = dict(device=os.environ.get("DEVICE", "cuda"), block_size=bs, max_num_tokens=max(n, 2048),
-          enforce_eager=True, num_kv_blocks=cdiv(n, bs) + 64)
+          enforce_eager=True, num_kv_blocks=cdiv(n, bs) + 64,
+          enable_prefix_caching=source != "tier")
 events: list[tuple[float, str]] = []
 tracing = False
 
@@ -32,8 +39,9 @@ def trace(cls, name, show):
     def traced(self, *args, **kwargs):
         start = time.perf_counter()
         out = original(self, *args, **kwargs)
-        if tracing:
-            events.append((start, f"{name} {show(self, args, out)} "
+        shown = show(self, args, out) if tracing else None
+        if shown is not None:
+            events.append((start, f"{name} {shown} "
                                   f"({(time.perf_counter() - start) * 1e3:.1f} ms)"))
         return out
     setattr(cls, name, traced)
@@ -45,20 +53,43 @@ trace(LoadPlanner, "admit", lambda p, a, out: f"blocks {a[:2]} -> load_from {out
 trace(LoadPlanner, "front_step", lambda p, a, out: f"front {a[0]} writes_from {a[1]} "
       f"landed_from {a[2]} end {a[3]} -> {out}")
 trace(StoreWorker, "get_load_progress", lambda w, a, out: f"{ {k: v for k, v in out.items()} }")
-trace(Engine, "step", lambda e, a, out: f"-> {sum(map(len, out.new_tokens.values()))} new "
-      f"tokens, {e.stats()['prompt_tokens']} prompt tokens computed so far")
+trace(StoreScheduler, "get_num_new_matched_tokens", lambda s, a, out: f"lookup -> {out}")
+trace(StoreWorker, "start_load_kv", lambda w, a, out: f"{len(m.loads)} blocks"
+      if (m := w.get_connector_meta()) and m.loads else None)
+trace(StoreWorker, "get_finished", lambda w, a, out: f"loads done {sorted(out[1])}"
+      if out[1] else None)
+trace(ModelRunner, "execute", lambda r, a, out: f"forward of {a[0].num_tokens} tokens "
+      "(launched)")
+forwards_seen: dict[int, int] = {}
 
-with bench_pool(None) as connector:
+
+def show_step(engine, args, out):
+    """A step that ran a forward (a step that only polled loads: None)."""
+    forwards = engine.stats()["forward_passes"]
+    if forwards == forwards_seen.get(id(engine)):
+        return None
+    forwards_seen[id(engine)] = forwards
+    return (f"-> {sum(map(len, out.new_tokens.values()))} new tokens, "
+            f"{engine.stats()['prompt_tokens']} prompt tokens computed so far")
+
+
+trace(Engine, "step", show_step)
+
+options = {"io_threads": int(os.environ["IO_THREADS"])} if "IO_THREADS" in os.environ else {}
+with bench_pool(None, **options) as connector:
     with LLM(model, kv_connector=connector(), **kw) as llm:
         prompt = _prompt(llm, n)
         llm.generate([prompt], ONE)
     for name, extra in (("load whole", dict(compute_while_loading=False)), ("split", {}),
                         ("split again", {})):
         with LLM(model, kv_connector=connector(**extra), **kw) as llm:
+            salt = os.urandom(8).hex() if source == "tier" else None
+            if salt:  # computed and saved: the tier keeps what it saved
+                llm.generate([prompt], ONE, cache_salt=salt)
             events.clear()
             tracing = True
             t0 = time.perf_counter()
-            out = llm.generate([prompt], ONE)[0]
+            out = llm.generate([prompt], ONE, cache_salt=salt)[0]
             tracing = False
             print(f"== {name}: TTFT {out.metrics.ttft_s:.4f} s, hit {out.pool_hit}")
             for t, what in sorted(events):

@@ -85,12 +85,26 @@ def test_decode_padding_row_is_zero():
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 3)])
 def test_prefill_matches_reference(dtype, block_size, heads):
     """Ragged chunks: a whole prompt, chunks continuing cached context, a one-token chunk."""
-    g = torch.Generator().manual_seed(block_size + 7 * heads[0])
+    check_prefill(dtype, block_size, heads, [(37, 37), (20, 90), (1, 17), (70, 70), (16, 48)])
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("parts", [2, 4, 16])
+def test_prefill_over_a_split_context_matches_reference(block_size, parts):
+    """Contexts walked in parts side by side, then folded: short chunks after long cached
+    contexts (a prompt's rest after a pool hit), a chunk of two query tiles whose first rows
+    see no key of the last parts, parts with no keys at all, a whole short prompt."""
+    check_prefill(DTYPES[-1], block_size, (4, 2), [(3, 600), (100, 700), (70, 70), (1, 17)],
+                  parts=parts, num_blocks=96)
+
+
+def check_prefill(dtype, block_size, heads, chunks, parts=None, num_blocks=64):
+    """paged_prefill of `chunks` (new tokens, context after) against the reference."""
+    g = torch.Generator().manual_seed(block_size + 7 * heads[0] + len(chunks))
     hq, hkv = heads
     d = 64 if DEVICE == "cuda" else 32
-    chunks = [(37, 37), (20, 90), (1, 17), (70, 70), (16, 48)]  # (new tokens, context after)
-    k_cache, v_cache = make_cache(64, block_size, hkv, d, dtype)
-    table = tables([c for _, c in chunks], block_size, 64, g)
+    k_cache, v_cache = make_cache(num_blocks, block_size, hkv, d, dtype)
+    table = tables([c for _, c in chunks], block_size, num_blocks, g)
     lens = [n for n, _ in chunks]
     starts = [sum(lens[:i]) + 3 for i in range(len(lens))]  # rows 0-2 belong to nobody
     total = starts[-1] + lens[-1] + 2
@@ -98,7 +112,8 @@ def test_prefill_matches_reference(dtype, block_size, heads):
     out = torch.full_like(q, float("nan"))
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
     pa.paged_prefill(q, k_cache, v_cache, table, as_t(starts), as_t(lens),
-                     as_t([c for _, c in chunks]), max(lens), out=out)
+                     as_t([c for _, c in chunks]), max(lens), max(c for _, c in chunks),
+                     out=out, parts=parts)
     for s, (n, ctx) in enumerate(chunks):
         rows = slice(starts[s], starts[s] + n)
         ref = reference(q[rows], k_cache, v_cache, table[s], ctx)

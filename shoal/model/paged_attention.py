@@ -18,6 +18,8 @@ against (tests/test_paged_attention.py; on CPU through Triton's interpreter).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -58,8 +60,11 @@ if HAS_TRITON:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(seen, s, float("-inf"))  # [rows, tile]
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        # a row that has seen no key yet (a later part of the context, past its position)
+        # keeps max -inf: exp(-inf - -inf) would be NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
                                             input_precision=PRECISION).to(tl.float32)
@@ -101,16 +106,18 @@ if HAS_TRITON:
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
-    @triton.jit(do_not_specialize=["stride_table"])
-    def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, starts_ptr, lens_ptr, ctx_ptr,
-                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    # the number of rows and of context parts change from step to step: not specialized on
+    @triton.jit(do_not_specialize=["stride_table", "num_rows", "num_parts"])
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, stats_ptr, table_ptr, starts_ptr,
+                        lens_ptr, ctx_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_table,
-                        scale, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        num_rows, num_parts, scale, H: tl.constexpr, G: tl.constexpr,
+                        D: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         s_idx = tl.program_id(0)
         tile = tl.program_id(1)
-        h = tl.program_id(2)
+        h = tl.program_id(2) // num_parts
+        part = tl.program_id(2) % num_parts
         n = tl.load(lens_ptr + s_idx)
         if tile * BLOCK_M < n:
             ctx = tl.load(ctx_ptr + s_idx)
@@ -126,20 +133,66 @@ if HAS_TRITON:
             total = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, DP], tl.float32)
             hi = tl.minimum(ctx, ctx - n + (tile + 1) * BLOCK_M)  # no later row sees more
+            # this program's part of the keys: whole tiles, [start, end)
+            per_part = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_parts) * BLOCK_N
+            start = part * per_part
+            end = tl.minimum(hi, start + per_part)
             kt = tl.arange(0, BLOCK_N)
-            start = 0
-            while start < hi:
+            while start < end:
                 pos = start + kt
-                valid = pos < hi
+                valid = pos < end
                 seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
                 m, total, acc = _attend_tile(
                     q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
                     table_ptr + s_idx * stride_table, pos, valid, seen, d, stride_kb, stride_kt,
                     stride_vb, stride_vt, scale, m, total, acc, D, BLOCK_SIZE, PRECISION)
                 start += BLOCK_N
+            if num_parts == 1:
+                out = acc / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(o_ptr + (row0 + rows)[:, None] * stride_ot + h * stride_oh
+                         + d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
+            else:  # the part's running softmax, for _combine_kernel
+                at = (part * num_rows + row0 + rows) * H + h
+                row_mask = rows < n
+                tl.store(part_ptr + at[:, None] * DP + d[None, :], acc, mask=row_mask[:, None])
+                tl.store(stats_ptr + at * 2, m, mask=row_mask)
+                tl.store(stats_ptr + at * 2 + 1, total, mask=row_mask)
+
+    @triton.jit(do_not_specialize=["num_rows", "num_parts"])
+    def _combine_kernel(o_ptr, part_ptr, stats_ptr, starts_ptr, lens_ptr, stride_ot, stride_oh,
+                        num_rows, num_parts, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+        """The rows of one (request, query tile, head): its parts' softmaxes folded into one."""
+        s_idx = tl.program_id(0)
+        tile = tl.program_id(1)
+        h = tl.program_id(2)
+        n = tl.load(lens_ptr + s_idx)
+        if tile * BLOCK_M < n:
+            row0 = tl.load(starts_ptr + s_idx)
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            d = tl.arange(0, DP)
+            row_mask = rows < n
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, DP], tl.float32)
+            part = 0
+            while part < num_parts:
+                at = (part * num_rows + row0 + rows) * H + h
+                m_part = tl.load(stats_ptr + at * 2, mask=row_mask, other=float("-inf"))
+                total_part = tl.load(stats_ptr + at * 2 + 1, mask=row_mask, other=0.0)
+                acc_part = tl.load(part_ptr + at[:, None] * DP + d[None, :],
+                                   mask=row_mask[:, None], other=0.0)
+                m_new = tl.maximum(m, m_part)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_safe)
+                beta = tl.exp(m_part - m_safe)
+                total = total * alpha + total_part * beta
+                acc = acc * alpha[:, None] + acc_part * beta[:, None]
+                m = m_new
+                part += 1
             out = acc / tl.where(total > 0, total, 1.0)[:, None]
             tl.store(o_ptr + (row0 + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=q_mask)
+                     out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & (d[None, :] < D))
 
 
 if HAS_TRITON:
@@ -190,7 +243,8 @@ def warm_up(q_like: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     store_kv(kv, kv, k_cache, v_cache, table[0].repeat(2), torch.arange(2, dtype=torch.int32,
                                                                          device=device))
     paged_decode(q[:1], k_cache, v_cache, table, one)
-    paged_prefill(q, k_cache, v_cache, table, one * 0, one * 2, one * 2, 2)
+    paged_prefill(q, k_cache, v_cache, table, one * 0, one * 2, one * 2, 2, parts=1)
+    paged_prefill(q, k_cache, v_cache, table, one * 0, one * 2, one * 2, 2, parts=2)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -216,21 +270,57 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-                  context_lens: torch.Tensor, max_q_len: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  context_lens: torch.Tensor, max_q_len: int, max_context: int | None = None,
+                  out: torch.Tensor | None = None, parts: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], the flat batch; request s owns rows [q_starts[s], q_starts[s] + q_lens[s])
     at positions [context_lens[s] - q_lens[s], context_lens[s]) and attends causally to its
-    context through block_table[s]. Rows no request owns are left as they are in `out`."""
+    context through block_table[s]. Rows no request owns are left as they are in `out`.
+    `max_context` (the longest context, known on the host): a short chunk over a long
+    context (the rest of a prompt after a pool hit) has its context split into `parts` run
+    side by side, their results folded by a second kernel; `parts` None: as `prefill_parts`
+    says."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     block_m = 64  # one variant: no compile on a new chunk length while serving
-    grid = (q_lens.shape[0], triton.cdiv(max_q_len, block_m), num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_table, q_starts, q_lens, context_lens,
+    tiles = triton.cdiv(max_q_len, block_m)
+    if parts is None:
+        parts = prefill_parts(q.device, q_lens.shape[0] * tiles * num_heads, max_context)
+    dp = max(16, _next_pow2(head_dim))
+    part_out = stats = torch.empty(2, dtype=torch.float32, device=q.device)  # (one part: unused)
+    if parts > 1:
+        part_out = torch.empty((parts, q.shape[0], num_heads, dp), dtype=torch.float32,
+                               device=q.device)
+        stats = torch.empty((parts, q.shape[0], num_heads, 2), dtype=torch.float32,
+                            device=q.device)
+    _prefill_kernel[(q_lens.shape[0], tiles, num_heads * parts)](
+        q, k_cache, v_cache, out, part_out, stats, block_table, q_starts, q_lens, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_table.stride(0), head_dim ** -0.5, G=num_heads // num_kv_heads, D=head_dim,
-        DP=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
-        PRECISION=_precision(q))
+        block_table.stride(0), q.shape[0], parts, head_dim ** -0.5, H=num_heads,
+        G=num_heads // num_kv_heads, D=head_dim, DP=dp, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=64, PRECISION=_precision(q))
+    if parts > 1:
+        _combine_kernel[(q_lens.shape[0], tiles, num_heads)](
+            out, part_out, stats, q_starts, q_lens, out.stride(0), out.stride(1), q.shape[0],
+            parts, H=num_heads, D=head_dim, DP=dp, BLOCK_M=block_m)
     return out
+
+
+MAX_PARTS = 16
+PART_KEYS = 512  # the fewest keys a part of a split context walks
+
+
+def prefill_parts(device: torch.device, programs: int, max_context: int | None) -> int:
+    """Into how many parts a prefill splits its contexts: enough for `programs` (request
+    tiles x heads) x parts to fill the GPU's SMs about twice over, each part at least
+    PART_KEYS keys long; 1 where the programs fill it already (a long chunk) or on a CPU."""
+    if max_context is None or device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(MAX_PARTS, -(-2 * sms // programs), max_context // PART_KEYS))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

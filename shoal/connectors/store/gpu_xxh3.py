@@ -40,6 +40,8 @@ _P64_1, _P64_2, _P64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E377
 _P64_4, _P64_5 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5
 _INIT_ACC = (_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1)
 _STRIPE, _BLOCK = 64, 1024  # bytes: a stripe, and 16 stripes between scrambles
+SEGMENT = 16  # 1 KiB blocks a program of the first pass sums (16 KiB of a row)
+CHAIN_TILE = 16  # block sums the second pass loads at once
 
 
 def available() -> bool:
@@ -90,8 +92,30 @@ if triton is not None:
         return tl.sum(tl.where(lanes == i, x, 0), axis=0)
 
     @triton.jit
-    def _xxh3_rows_kernel(rows_ptr, ids_ptr, row_words, num_words, num_blocks, tail_stripes,
-                          consts_ptr, expected_ptr, hashes_ptr, ok_ptr):
+    def _block_sums_kernel(rows_ptr, ids_ptr, row_words, num_blocks, consts_ptr, sums_ptr,
+                           G: tl.constexpr):
+        """Program (r, g): the per-lane sums of 1 KiB blocks [g G, g G + G) of row r."""
+        r = tl.program_id(0)
+        g = tl.program_id(1)
+        base = rows_ptr + tl.load(ids_ptr + r) * row_words
+        j = tl.arange(0, G * 16)[:, None]  # the segment's stripes, 16 a block
+        lanes = tl.arange(0, 8)[None, :]
+        block = g * G + j // 16
+        word = block * 128 + (j % 16) * 8
+        m = block < num_blocks
+        d = tl.load(base + word + lanes, mask=m, other=0).to(tl.uint64, bitcast=True)
+        n = tl.load(base + word + (lanes ^ 1), mask=m, other=0).to(tl.uint64, bitcast=True)
+        dk = d ^ tl.load(consts_ptr + j % 16 + lanes).to(tl.uint64, bitcast=True)
+        sums = tl.sum(tl.reshape(n + (dk & 0xFFFFFFFF) * (dk >> 32), (G, 16, 8)), axis=1)
+        b = g * G + tl.arange(0, G)[:, None]
+        tl.store(sums_ptr + (r * num_blocks + b) * 8 + lanes, sums.to(tl.int64, bitcast=True),
+                 mask=b < num_blocks)
+
+    @triton.jit
+    def _chain_kernel(rows_ptr, ids_ptr, row_words, num_words, num_blocks, tail_stripes,
+                      consts_ptr, sums_ptr, expected_ptr, hashes_ptr, ok_ptr, T: tl.constexpr):
+        """Program r: the accumulators through every block's sum and scramble, in order
+        (T block sums loaded at once), then the partial block, the last stripe, the merge."""
         r = tl.program_id(0)
         base = rows_ptr + tl.load(ids_ptr + r) * row_words
         s = tl.arange(0, 16)[:, None]
@@ -101,15 +125,16 @@ if triton is not None:
         key = tl.load(consts_ptr + s + lanes[None, :]).to(tl.uint64, bitcast=True)
         scramble = tl.load(consts_ptr + 16 + lanes).to(tl.uint64, bitcast=True)
         acc = tl.load(consts_ptr + 40 + lanes).to(tl.uint64, bitcast=True)
+        t_of = tl.arange(0, T)[:, None]
         b = 0
         while b < num_blocks:  # (a while loop: Triton's interpreter takes no such range)
-            p = base + b * 128
-            d = tl.load(p + here).to(tl.uint64, bitcast=True)
-            n = tl.load(p + neighbour).to(tl.uint64, bitcast=True)
-            dk = d ^ key
-            acc += tl.sum(n + (dk & 0xFFFFFFFF) * (dk >> 32), axis=0)
-            acc = ((acc ^ (acc >> 47)) ^ scramble) * 0x9E3779B1
-            b += 1
+            tile = tl.load(sums_ptr + (r * num_blocks + b + t_of) * 8 + lanes[None, :],
+                           mask=b + t_of < num_blocks, other=0).to(tl.uint64, bitcast=True)
+            for t in tl.static_range(T):
+                nxt = acc + tl.sum(tl.where(t_of == t, tile, 0), axis=0)
+                nxt = ((nxt ^ (nxt >> 47)) ^ scramble) * 0x9E3779B1
+                acc = tl.where(b + t < num_blocks, nxt, acc)
+            b += T
         p = base + num_blocks * 128  # the last, partial block: no scramble after it
         m = s < tail_stripes
         d = tl.load(p + here, mask=m, other=0).to(tl.uint64, bitcast=True)
@@ -149,7 +174,13 @@ def verify_rows(rows: torch.Tensor, ids: torch.Tensor, expected: torch.Tensor
     if len(ids):
         num_blocks = (nbytes - 1) // _BLOCK
         tail = ((nbytes - 1) - _BLOCK * num_blocks) // _STRIPE
-        _xxh3_rows_kernel[(len(ids),)](rows, ids, rows.shape[1], rows.shape[1], num_blocks,
-                                       tail, _constants(nbytes, rows.device), expected,
-                                       hashes, ok)
+        consts = _constants(nbytes, rows.device)
+        sums = torch.empty((len(ids), max(num_blocks, 1), 8), dtype=torch.int64,
+                           device=rows.device)
+        if num_blocks:
+            _block_sums_kernel[(len(ids), triton.cdiv(num_blocks, SEGMENT))](
+                rows, ids, rows.shape[1], num_blocks, consts, sums, G=SEGMENT)
+        _chain_kernel[(len(ids),)](rows, ids, rows.shape[1], rows.shape[1], num_blocks, tail,
+                                   consts, sums, expected, hashes, ok, T=CHAIN_TILE,
+                                   num_warps=1)
     return hashes, ok
