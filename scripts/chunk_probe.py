@@ -1,10 +1,15 @@
 """The forward of a short chunk over a long cached context (a prompt's rest after a pool
 hit), on the GPU: the prefill kernel alone with its context in 1 part or split, then an
 engine's TTFT for the last 64 tokens of a prompt whose first 8128 tokens are cached
-(prefix caching, no pool), each way, with the step's top CUDA kernels.
+(prefix caching, no pool), each way, with the step's top CUDA kernels and the host's
+time in the forward (its wall time, and a cProfile of it on the executing thread).
 
     PYTHONPATH=$PWD python3 scripts/chunk_probe.py [random:llama-8b] [8192]
 """
+import cProfile
+import io
+import os
+import pstats
 import sys
 import time
 
@@ -12,12 +17,13 @@ import torch
 
 from shoal import LLM
 from shoal.bench.ttft import ONE, _prompt
+from shoal.engine.model_runner import ModelRunner
 from shoal.model import paged_attention as pa
 from shoal.util import cdiv
 
 model = sys.argv[1] if len(sys.argv) > 1 else "random:llama-8b"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-dev = torch.device("cuda")
+dev = torch.device(os.environ.get("DEVICE", "cuda"))
 
 
 def kernel(ctx: int, new: int, parts: int | None, hq=32, hkv=8, d=128, bs=64) -> float:
@@ -39,7 +45,7 @@ def kernel(ctx: int, new: int, parts: int | None, hq=32, hkv=8, d=128, bs=64) ->
     return (time.perf_counter() - start) / 20, err
 
 
-for ctx, new in ((8192, 64), (8192, 1), (32768, 64), (8192, 512), (4096, 4096)):
+for ctx, new in () if dev.type != "cuda" else ((8192, 64), (8192, 1), (32768, 64), (8192, 512), (4096, 4096)):
     one, _ = kernel(ctx, new, 1)
     auto_parts = pa.prefill_parts(dev, cdiv(new, 64) * 32, ctx)
     split, err = kernel(ctx, new, None)
@@ -47,7 +53,7 @@ for ctx, new in ((8192, 64), (8192, 1), (32768, 64), (8192, 512), (4096, 4096)):
           f"{auto_parts} parts {split * 1e3:.3f} ms (rel. diff {err:.1e})")
 
 auto = pa.prefill_parts
-kw = dict(device="cuda", block_size=64, max_num_tokens=max(n, 2048), enforce_eager=True,
+kw = dict(device=dev.type, block_size=64, max_num_tokens=max(n, 2048), enforce_eager=True,
           num_kv_blocks=cdiv(n, 64) * 2 + 64)
 with LLM(model, **kw) as llm:
     prompt = _prompt(llm, n)
@@ -62,6 +68,32 @@ with LLM(model, **kw) as llm:
             times.append(out.metrics.ttft_s)
         print(f"engine, last 64 of {n} ({label}): TTFT {[round(t * 1e3, 1) for t in times]} ms")
     pa.prefill_parts = auto
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.generate([prompt[:n - 64] + list(range(5, 69))], ONE)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    if dev.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            llm.generate([prompt[:n - 64] + list(range(5, 69))], ONE)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                        max_name_column_width=60))
+
+    execute = ModelRunner.execute
+    profile = cProfile.Profile()
+    walls = []
+
+    def profiled(self, batch, *args, **kwargs):
+        start = time.perf_counter()
+        if batch.num_tokens == 64:
+            profile.enable()
+        try:
+            return execute(self, batch, *args, **kwargs)
+        finally:
+            profile.disable()
+            walls.append((batch.num_tokens, round((time.perf_counter() - start) * 1e3, 2)))
+    ModelRunner.execute = profiled
+    for i in range(3):
+        llm.generate([prompt[:n - 64] + list(range(100 + i, 164 + i))], ONE)
+    print("execute wall (tokens, ms):", walls)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
+    print(out.getvalue()[-6000:])
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(30)
+    print(out.getvalue()[-6000:])

@@ -10,7 +10,12 @@ never materialise the gathered context. GQA: query head h reads KV head h // G.
              key/value tile is read once for all of them
     prefill  a chunk of n new tokens per request at positions [ctx - n, ctx), causal over
              [0, ctx): chunked prefill and prefix hits alike (the chunk's own K/V are in
-             the cache already); grid (requests, query tiles, query heads)
+             the cache already); grid (requests, query tiles, query heads x parts). A
+             short chunk over a long context (a prompt's last tokens after a pool hit:
+             32 programs for 64 tokens of Llama-8B) would leave most SMs idle and walk
+             8k keys in series, so its context is cut into parts, each part's running
+             softmax is kept, and a second kernel folds them (64 new tokens over 8192:
+             0.42 -> 0.10 ms on an H100)
 
 The gather + SDPA path in `shoal.model.llama.Attention` is the reference these are tested
 against (tests/test_paged_attention.py; on CPU through Triton's interpreter).
