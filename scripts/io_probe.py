@@ -18,7 +18,8 @@ keys = [os.urandom(32) for _ in range(N)]
 for k in keys:
     pf.write_block(root, ns, k, memoryview(payload), shape, torch.bfloat16)
 THREADS = [int(t) for t in os.environ.get("THREADS", "1,2,4,8,16").split(",")]
-buf = np.empty((N, BS), np.uint8)
+buf = (torch.empty((N, BS), dtype=torch.uint8).pin_memory().numpy() if os.environ.get("PINNED")
+       else np.empty((N, BS), np.uint8))  # PINNED=1: into pinned memory, as a GPU load
 paths = [pf.block_path_str(str(root), k) for k in keys]
 def raw(i):
     with open(paths[i], "rb", buffering=0) as f:
@@ -33,8 +34,9 @@ def noverify(i):
                        verify=False)
 def hashonly(i):
     pf.checksum(memoryview(buf[i]))
-for name, fn in [("raw", raw), ("ours", ours), ("dirs", ours_dirs), ("noverify", noverify),
-                 ("hash", hashonly)]:
+MODES = os.environ.get("MODES", "raw,ours,dirs,noverify,hash").split(",")
+for name, fn in [(m, f) for m, f in [("raw", raw), ("ours", ours), ("dirs", ours_dirs),
+                                     ("noverify", noverify), ("hash", hashonly)] if m in MODES]:
     for threads in THREADS:
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(fn, range(N)))

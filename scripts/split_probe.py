@@ -2,7 +2,12 @@
 each engine step (its length, the tokens the request's front computed), each planner
 decision (admission and the front's steps) and each load progress poll.
 
-    [IO_THREADS=N] PYTHONPATH=$PWD python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
+    [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] PYTHONPATH=$PWD \
+        python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
+
+POLL: the engine's pause while it only waits for loads (engine.IDLE_POLL_SECONDS); SWITCH:
+`sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
+from I/O); WHOLE=N: only N engines that load whole (no split).
 
 As `shoal bench ttft` runs it: an engine computes and saves the prompt, a load-only
 engine teaches the rates (kept for the next engine), then the traced engine's hit. With
@@ -75,13 +80,19 @@ def show_step(engine, args, out):
 
 trace(Engine, "step", show_step)
 
+import shoal.engine.engine as engine_module  # noqa: E402
+engine_module.IDLE_POLL_SECONDS = float(os.environ.get("POLL", engine_module.IDLE_POLL_SECONDS))
+if "SWITCH" in os.environ:
+    sys.setswitchinterval(float(os.environ["SWITCH"]))
+modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])
+         if "WHOLE" in os.environ else
+         (("load whole", dict(compute_while_loading=False)), ("split", {}), ("split again", {})))
 options = {"io_threads": int(os.environ["IO_THREADS"])} if "IO_THREADS" in os.environ else {}
 with bench_pool(None, **options) as connector:
     with LLM(model, kv_connector=connector(), **kw) as llm:
         prompt = _prompt(llm, n)
         llm.generate([prompt], ONE)
-    for name, extra in (("load whole", dict(compute_while_loading=False)), ("split", {}),
-                        ("split again", {})):
+    for name, extra in modes:
         with LLM(model, kv_connector=connector(**extra), **kw) as llm:
             salt = os.urandom(8).hex() if source == "tier" else None
             if salt:  # computed and saved: the tier keeps what it saved
