@@ -5,7 +5,7 @@ decision (admission and the front's steps) and each load progress poll.
     [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] PYTHONPATH=$PWD \
         python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
-POLL: the engine's pause while it only waits for loads (engine.IDLE_POLL_SECONDS); SWITCH:
+POLL: the engine's longest wait while it only waits for loads (engine.IDLE_WAIT_SECONDS); SWITCH:
 `sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
 from I/O); WHOLE=N: only N engines that load whole (no split).
 
@@ -81,7 +81,7 @@ def show_step(engine, args, out):
 trace(Engine, "step", show_step)
 
 import shoal.engine.engine as engine_module  # noqa: E402
-engine_module.IDLE_POLL_SECONDS = float(os.environ.get("POLL", engine_module.IDLE_POLL_SECONDS))
+engine_module.IDLE_WAIT_SECONDS = float(os.environ.get("POLL", engine_module.IDLE_WAIT_SECONDS))
 if "SWITCH" in os.environ:
     sys.setswitchinterval(float(os.environ["SWITCH"]))
 modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])

@@ -308,6 +308,34 @@ def test_a_tier_smaller_than_the_transfer_still_moves_every_block(tmp_path, devi
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_an_idle_wait_for_transfers_ends_when_they_move(tmp_path, device):
+    """An engine that only waits for transfers waits in wait_for_transfers between polls:
+    it wakes when a save ends or a load's unit lands, not at its timeout (a missed wake
+    would take the whole 30 s)."""
+    worker, kv = make_worker(tmp_path, device, tier_bytes=1 << 20)
+    keys = [os.urandom(32) for _ in range(24)]
+    original = kv[:24].clone()
+    start = time.monotonic()
+    for rid, meta in (("s", FsPoolMeta(saves=[BlockTransfer("s", i, i, k)
+                                              for i, k in enumerate(keys)])),
+                      ("l", FsPoolMeta(loads=[BlockTransfer("l", i, 32 + i, k)
+                                              for i, k in enumerate(keys)]))):
+        worker.bind_connector_meta(meta)
+        worker.start_load_kv()
+        worker.wait_for_save()
+        worker.clear_connector_meta()
+        waits = 0
+        while not any(worker.get_finished([rid] if rid == "s" else [],
+                                          [rid] if rid == "l" else [])):
+            worker.wait_for_transfers(30)
+            waits += 1
+            assert waits <= len(keys) + 8, rid  # each wait ends with something that moved
+    assert time.monotonic() - start < 15
+    assert torch.equal(kv[32:56], original)
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_abort_returns_only_after_the_copies_of_running_loads_end(tmp_path, device):
     n = 48
     worker, kv = make_worker(tmp_path, device, tier_bytes=0 if device == "cuda" else 1 << 20,

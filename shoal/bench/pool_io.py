@@ -10,7 +10,7 @@ once more from the host tier. On a GPU it also times steps of GPU work with a pa
 saves started after each and without, to show saves do not stall the forward.
 
 Each round's pool starts with its 256 block directories (a pool in use has them) and the
-bench waits for the connector as an idle engine does (polling every IDLE_POLL_SECONDS).
+bench waits for the connector as an idle engine does (`wait_for_transfers` between polls).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from shoal.connectors import ConnectorConfig, ConnectorContext, KVCacheRegistrat
 from shoal.connectors.fs import format as pf
 from shoal.connectors.fs.connector import BlockTransfer, FsPoolMeta, FsPoolWorker
 from shoal.engine.build import hand_over_the_gil_often
-from shoal.engine.engine import IDLE_POLL_SECONDS
+from shoal.engine.engine import IDLE_WAIT_SECONDS
 from shoal.kv.kv_cache import KVCacheLayout
 
 
@@ -48,7 +48,7 @@ def _transfer(worker: FsPoolWorker, meta: FsPoolMeta, rid: str, saving: bool) ->
         saved, loaded = worker.get_finished([rid] if saving else [], [] if saving else [rid])
         if (saved if saving else loaded):
             return time.perf_counter() - start
-        time.sleep(IDLE_POLL_SECONDS)  # as an engine that only waits for transfers polls
+        worker.wait_for_transfers(IDLE_WAIT_SECONDS)  # as an engine that only waits for them
 
 
 def _make_block_dirs(root: Path) -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import abc
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# a worker that cannot tell when its transfers move: the engine's pause between polls
+IDLE_PAUSE_SECONDS = 0.0005
 
 
 class ConnectorError(RuntimeError):
@@ -247,6 +250,14 @@ class KvConnectorWorker(abc.ABC):
         these still-pending loads (also of one reported finished by this poll's
         get_finished: its final progress). A load that is not known is left out."""
         raise NotImplementedError(f"{type(self).__name__} does not support partial loads")
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """Block until a transfer may have moved on (a block landed, a load or a save
+        ended) or `timeout` seconds passed; the engine calls it between steps that have
+        nothing to compute and only wait for transfers, so it polls when something changed
+        rather than on a timer. May return early. The default pauses IDLE_PAUSE_SECONDS (at
+        most `timeout`): override it where the worker can tell when a transfer moves."""
+        time.sleep(min(timeout, IDLE_PAUSE_SECONDS))
 
     def abort(self, request_ids: list[str]) -> None:
         """Only with supports_abort: give up these requests' pending transfers (their deadline

@@ -35,7 +35,9 @@ from shoal.request import NewRequest, Request, RequestOutput, RequestStatus, Ste
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_SECONDS = 0.0005  # pause of a step that only waits for transfers
+# the longest pause of a step that only waits for transfers (a worker that can tell when
+# they move ends it sooner; one that cannot pauses 0.5 ms): new requests wait that long
+IDLE_WAIT_SECONDS = 0.002
 PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 2048, 128  # the bring-up forwards that measure prefill
 
 STAT_KEYS = (
@@ -211,8 +213,8 @@ class Engine:
         if runs:
             self._launch(batch, peers.token_counts)
         ended = self._update(keep=1 if self.overlap and runs else 0)
-        if batch.is_empty and batch.transfers.num_pending:
-            time.sleep(IDLE_POLL_SECONDS)  # only waiting for the connector: do not spin
+        if batch.is_empty and batch.transfers.num_pending and not peers.any_tokens:
+            self.transfers.poller.wait(IDLE_WAIT_SECONDS)  # only waiting for the connector
         return self._report(ended)
 
     def _launch(self, batch: ScheduledBatch, token_counts: list[int]) -> None:

@@ -70,6 +70,11 @@ class TransferPoller:
         self._progress: dict[str, LoadProgress] = {}  # partial loads' last progress here
         self.counts = {"deadline_expiries": 0, "transfers_aborted": 0}  # for stats()
 
+    def wait(self, timeout: float) -> None:
+        """Between steps that only wait for transfers: until the worker's transfers may
+        have moved, at most `timeout` seconds."""
+        self.calls.work("wait_for_transfers", lambda w: w.wait_for_transfers(timeout))
+
     def begin_step(self, plan: TransferPlan) -> None:
         self.calls.work("bind_connector_meta", lambda w: w.bind_connector_meta(plan.meta))
         self.calls.work("start_load_kv", lambda w: w.start_load_kv())

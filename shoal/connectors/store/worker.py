@@ -68,6 +68,7 @@ class StoreWorker(KvConnectorWorker):
         self._throttle = None if opts.max_read_gbps is None else Throttle(opts.max_read_gbps)
         self._saves: dict[str, list[Future]] = {}
         self._bad_blocks: dict[str, list[int]] = {}  # rid -> failed blocks (loads pending)
+        self._moved = threading.Event()  # set when a unit lands or a task ends
         self._failed: dict[str, int] = {}  # failures of loads reported finished
         self._stats = dict(bytes_loaded=0, bytes_saved=0, load_seconds=0.0, save_seconds=0.0,
                            corrupt_blocks=0, missing_blocks=0, save_failures=0,
@@ -140,7 +141,7 @@ class StoreWorker(KvConnectorWorker):
             queue = self._queues[rid] = LoadQueue(self._load_units(transfers),
                                                   per_block=self._mover is None, after=after)
             if self.is_async:  # a task per thread, each taking units until none is left
-                futures = [self._io.submit(self._load_queue, queue)
+                futures = [self._submit(self._io, self._load_queue, queue)
                            for _ in range(min(self._num_threads, queue.num_units))]
             else:
                 futures = [Future()]
@@ -170,6 +171,20 @@ class StoreWorker(KvConnectorWorker):
                 self._load_blocks(unit, queue)
             finally:  # its copies have ended, landed or failed
                 queue.done(unit)
+                self._moved.set()
+
+    def _submit(self, pool: ThreadPoolExecutor, fn, *args) -> Future:
+        """fn(*args) on one of the pool's threads; its end wakes `wait_for_transfers`."""
+        future = pool.submit(fn, *args)
+        future.add_done_callback(lambda _: self._moved.set())
+        return future
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """Until a unit lands or an I/O task ends (or `timeout`): an engine that
+        only waits for loads polls when they moved, not every 0.5 ms (each of its polls
+        runs Python that the I/O threads wait for, to take the GIL back after a read)."""
+        self._moved.wait(timeout)
+        self._moved.clear()
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         pass  # whole blocks move before the request is scheduled
@@ -184,8 +199,8 @@ class StoreWorker(KvConnectorWorker):
             return
         if self._mover is None:  # straight from the cache's memory
             for t in meta.saves:
-                self._saves.setdefault(t.request_id, []).append(
-                    self._io.submit(self._save_block, t, _bytes_of(self.kv[t.block_id])))
+                self._saves.setdefault(t.request_id, []).append(self._submit(
+                    self._io, self._save_block, t, _bytes_of(self.kv[t.block_id])))
             return
         by_request: dict[str, list[BlockTransfer]] = {}
         for t in meta.saves:
@@ -195,8 +210,9 @@ class StoreWorker(KvConnectorWorker):
             for i in range(0, len(transfers), per_page):
                 group = transfers[i:i + per_page]
                 page, event = self._mover.begin_save([t.block_id for t in group])
-                self._saves.setdefault(rid, []).append(self._writers.submit(
-                    self._mover.finish_save, page, event, [self._key(t) for t in group],
+                self._saves.setdefault(rid, []).append(self._submit(
+                    self._writers, self._mover.finish_save, page, event,
+                    [self._key(t) for t in group],
                     lambda j, view, group=group: self._save_block(group[j], view)))
 
     def get_finished(self, saving_ids: list[str],
