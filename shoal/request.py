@@ -138,10 +138,11 @@ class NewRequest:
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError naming the first prompt token id, or logit_bias id, outside
         [0, vocab_size)."""
-        for i, t in enumerate(self.prompt_token_ids):
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"prompt token id {t} (position {i}) is outside the model's "
-                                 f"vocabulary [0, {vocab_size})")
+        ids = self.prompt_token_ids
+        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:  # (a long prompt: C speed)
+            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt token id {t} (position {i}) is outside the model's "
+                             f"vocabulary [0, {vocab_size})")
         for t, _ in self.sampling.logit_bias:
             if t >= vocab_size:
                 raise ValueError(f"SamplingParams.logit_bias: token id {t} is outside the "
@@ -157,6 +158,8 @@ def token_id_list(ids) -> list[int]:
     if not isinstance(ids, (list, tuple, range)):
         raise TypeError("a prompt must be a str or a sequence of int token ids, got "
                         f"{type(ids).__name__}")
+    if all(type(t) is int for t in ids):  # plain ints (the usual case): no ABC check each
+        return list(ids)
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(f"prompt token ids must be ints, got {type(t).__name__} "
