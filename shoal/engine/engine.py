@@ -210,11 +210,14 @@ class Engine:
         peers = self.peers.sync.exchange(StepVote(batch.num_tokens, self.has_work, self.failure))
         # a step runs if it computes, polls transfers or pads for a peer that computes
         runs = not batch.is_empty or batch.transfers.num_pending > 0 or peers.any_tokens
+        polls_only = batch.is_empty and not peers.any_tokens  # no forward on any rank
         if runs:
             self._launch(batch, peers.token_counts)
-        ended = self._update(keep=1 if self.overlap and runs else 0)
-        if batch.is_empty and batch.transfers.num_pending and not peers.any_tokens:
-            self.transfers.poller.wait(IDLE_WAIT_SECONDS)  # only waiting for the connector
+        moves = self.transfers.num_moves if self.transfers is not None else 0
+        # a step that only polls is applied at once: what its poll saw decides the wait
+        ended = self._update(keep=1 if self.overlap and runs and not polls_only else 0)
+        if polls_only and batch.transfers.num_pending and self.transfers.num_moves == moves:
+            self.transfers.poller.wait(IDLE_WAIT_SECONDS)  # nothing moved: until something does
         return self._report(ended)
 
     def _launch(self, batch: ScheduledBatch, token_counts: list[int]) -> None:

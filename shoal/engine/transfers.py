@@ -69,6 +69,7 @@ class KVTransfers:
         self._new_loads: list[Request] = []  # admitted for a load since the last plan
         self._host_tokens: dict[str, int] = {}  # rid -> of its last match, tokens in host memory
         self.deadlines = Deadlines(config.transfer_timeout_sec, config.control_grace_sec)
+        self.num_moves = 0  # transfers ended or advanced by applied reports (the idle wait)
         self._counts = dict.fromkeys(("connector_tokens_loaded", "load_failures_recomputed",
                                       *HIT_COUNTERS.values(), "front_tokens_computed",
                                       "pool_hit_host_tokens"), 0)  # for stats()
@@ -235,7 +236,9 @@ class KVTransfers:
         for rid, progress in report.progress.items():
             load = self._loads.get(rid)
             if load is not None:
+                before = (load.writes_from, load.landed_from)
                 load.take_progress(progress, self.ctx.block_size)
+                self.num_moves += before != (load.writes_from, load.landed_from)
         for rid in sorted(report.finished_loading):
             load = self._end_load(rid)
             if load is None:
@@ -255,6 +258,7 @@ class KVTransfers:
             req = self._saving.pop(rid, None)
             if req is not None:
                 out.released.append(req)
+        self.num_moves += len(out.ended) + len(out.released) + len(report.finished_loading)
         return out
 
     def on_preempt(self, req: Request) -> None:

@@ -180,11 +180,11 @@ class StoreWorker(KvConnectorWorker):
         return future
 
     def wait_for_transfers(self, timeout: float) -> None:
-        """Until a unit lands or an I/O task ends (or `timeout`): an engine that
-        only waits for loads polls when they moved, not every 0.5 ms (each of its polls
-        runs Python that the I/O threads wait for, to take the GIL back after a read)."""
+        """Until a unit landed or an I/O task ended since the last poll began (or
+        `timeout`): an engine that only waits for loads polls when they moved, not every
+        0.5 ms (each of its polls runs Python while the I/O threads need the GIL back after
+        each read)."""
         self._moved.wait(timeout)
-        self._moved.clear()
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         pass  # whole blocks move before the request is scheduled
@@ -217,6 +217,7 @@ class StoreWorker(KvConnectorWorker):
 
     def get_finished(self, saving_ids: list[str],
                      loading_ids: list[str]) -> tuple[set[str], set[str]]:
+        self._moved.clear()  # what moves from now on, this poll may not see: wake the wait
         # A save id is done once none of its copies is pending (also if it never had one).
         done_saving = {rid for rid in saving_ids if _all_done(self._saves.get(rid, ()))}
         done_loading = {rid for rid in loading_ids if rid in self._loads
