@@ -7,6 +7,8 @@
 #   scripts/gpu_round.sh moe              issue 30's figures: the fused MoE's tiles, the MoE
 #                                         and MLA decode step at batch 64 and 256, and
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
+#   scripts/gpu_round.sh leads            the leads of docs/roadmap.md item 2 (cold start,
+#                                         whole loads from files, 8B 8k rows)
 #   scripts/gpu_round.sh mla              MLA's expanded attention with and without cuDNN's
 #                                         SDPA, and V2-Lite's 8k TTFT from the pool either way
 # Before spending device time: `env -u TRITON_INTERPRET .venv/bin/python
@@ -38,6 +40,22 @@ elif [ "$what" = mla ]; then
     echo "== $mode" >>"$OUT/mla_ttft.log"
     python3 scripts/mla_sdpa_probe.py "$mode" --model random:deepseek-v2-lite@9 --device cuda \
       --prefix-tokens 8192 --rounds 2 2>&1 | tee -a "$OUT/mla_ttft.log" | tail -6
+  done
+elif [ "$what" = leads ]; then
+  # the tenth session's leads (docs/roadmap.md item 2), ~7 minutes on an H100: the first
+  # short chunk's cold start with cuBLAS's kernels loaded lazily or eagerly; whole loads
+  # from files with the engine's idle wait; the 8B rows at 64-token blocks
+  for loading in LAZY EAGER; do
+    echo "== CUDA_MODULE_LOADING=$loading" | tee -a "$OUT/leads.log"
+    CUDA_MODULE_LOADING=$loading timeout 150 python3 scripts/chunk_probe.py random:llama-8b 8192 \
+      2>&1 | grep "engine, last\|execute wall" | tee -a "$OUT/leads.log"
+  done
+  WHOLE=3 timeout 120 python3 scripts/split_probe.py random:llama-8b 8192 64 files 2>&1 \
+    | grep "==\|start_load\|loads done\|execute" | cut -c1-120 | tee -a "$OUT/leads.log"
+  for source in files tier; do
+    timeout 150 python3 -m shoal bench ttft --model random:llama-8b --device cuda \
+      --prefix-tokens 8192 --rounds 2 --block-size 64 --source $source 2>&1 | tail -6 \
+      | cut -c1-200 | tee -a "$OUT/leads.log"
   done
 elif [ "$what" = pool ]; then
   for spec in "$@"; do  # shape:prefix_tokens:source:rounds
