@@ -33,7 +33,7 @@ def kernel(ctx: int, new: int, parts: int | None, hq=32, hkv=8, d=128, bs=64) ->
     q = torch.randn(new, hq, d, dtype=torch.bfloat16, device=dev)
     table = torch.randperm(blocks, device=dev).to(torch.int32)[None]
     i32 = lambda x: torch.tensor([x], dtype=torch.int32, device=dev)  # noqa: E731
-    args = (q, k, v, table, i32(0), i32(new), i32(ctx), new, ctx)
+    args = (q, k, v, table, i32(0), i32(new), i32(ctx), new)
     ref = pa.paged_prefill(*args, parts=1)
     out = pa.paged_prefill(*args, parts=parts)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

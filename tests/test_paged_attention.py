@@ -112,8 +112,7 @@ def check_prefill(dtype, block_size, heads, chunks, parts=None, num_blocks=64):
     out = torch.full_like(q, float("nan"))
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
     pa.paged_prefill(q, k_cache, v_cache, table, as_t(starts), as_t(lens),
-                     as_t([c for _, c in chunks]), max(lens), max(c for _, c in chunks),
-                     out=out, parts=parts)
+                     as_t([c for _, c in chunks]), max(lens), out=out, parts=parts)
     for s, (n, ctx) in enumerate(chunks):
         rows = slice(starts[s], starts[s] + n)
         ref = reference(q[rows], k_cache, v_cache, table[s], ctx)
@@ -268,12 +267,11 @@ def test_the_two_backends_agree_on_the_same_inputs(step, heads):
 
 def test_a_context_is_split_only_where_the_programs_leave_the_gpu_idle(monkeypatch):
     """prefill_parts: about twice the SMs' worth of programs, parts of at least PART_KEYS
-    keys, at most MAX_PARTS; one part on a CPU or with the context unknown."""
+    keys, at most MAX_PARTS; one part on a CPU."""
     monkeypatch.setattr(pa, "_sm_count", lambda index: 132)  # an H100's
     gpu = torch.device("cuda", 0)
     assert pa.prefill_parts(gpu, 32, 8192) == 9  # 64 tokens of Llama-8B over 8k: 32 programs
     assert pa.prefill_parts(gpu, 32, 600) == 1  # too short a context to cut
     assert pa.prefill_parts(gpu, 2, 1 << 20) == pa.MAX_PARTS
     assert pa.prefill_parts(gpu, 4096, 8192) == 1  # a long chunk fills the GPU already
-    assert pa.prefill_parts(gpu, 32, None) == 1
     assert pa.prefill_parts(torch.device("cpu"), 32, 8192) == 1

@@ -275,24 +275,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-                  context_lens: torch.Tensor, max_q_len: int, max_context: int | None = None,
+                  context_lens: torch.Tensor, max_q_len: int,
                   out: torch.Tensor | None = None, parts: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], the flat batch; request s owns rows [q_starts[s], q_starts[s] + q_lens[s])
     at positions [context_lens[s] - q_lens[s], context_lens[s]) and attends causally to its
     context through block_table[s]. Rows no request owns are left as they are in `out`.
-    `max_context` (the longest context, known on the host): a short chunk over a long
-    context (the rest of a prompt after a pool hit) has its context split into `parts` run
-    side by side, their results folded by a second kernel; `parts` None: as `prefill_parts`
-    says."""
+    A short chunk over a long context (the rest of a prompt after a pool hit) has its
+    context split into `parts` run side by side, their results folded by a second kernel;
+    `parts` None: as `prefill_parts` says for a context as long as the table is wide (the
+    runner trims it to the longest context's blocks)."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     block_m = 64  # one variant: no compile on a new chunk length while serving
     tiles = triton.cdiv(max_q_len, block_m)
     if parts is None:
-        parts = prefill_parts(q.device, q_lens.shape[0] * tiles * num_heads, max_context)
+        parts = prefill_parts(q.device, q_lens.shape[0] * tiles * num_heads,
+                              block_table.shape[1] * block_size)
     dp = max(16, _next_pow2(head_dim))
-    part_out = stats = torch.empty(2, dtype=torch.float32, device=q.device)  # (one part: unused)
+    part_out = stats = _unused(q.device)
     if parts > 1:
         part_out = torch.empty((parts, q.shape[0], num_heads, dp), dtype=torch.float32,
                                device=q.device)
@@ -316,14 +317,20 @@ MAX_PARTS = 16
 PART_KEYS = 512  # the fewest keys a part of a split context walks
 
 
-def prefill_parts(device: torch.device, programs: int, max_context: int | None) -> int:
+def prefill_parts(device: torch.device, programs: int, max_context: int) -> int:
     """Into how many parts a prefill splits its contexts: enough for `programs` (request
     tiles x heads) x parts to fill the GPU's SMs about twice over, each part at least
     PART_KEYS keys long; 1 where the programs fill it already (a long chunk) or on a CPU."""
-    if max_context is None or device.type != "cuda":
+    if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(MAX_PARTS, -(-2 * sms // programs), max_context // PART_KEYS))
+
+
+@functools.lru_cache(maxsize=None)
+def _unused(device: torch.device) -> torch.Tensor:
+    """What the prefill kernel takes for its parts' buffers when it runs one part."""
+    return torch.empty(2, dtype=torch.float32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
