@@ -1,15 +1,12 @@
 """The forward of a short chunk over a long cached context (a prompt's rest after a pool
 hit), on the GPU: the prefill kernel alone with its context in 1 part or split, then an
 engine's TTFT for the last 64 tokens of a prompt whose first 8128 tokens are cached
-(prefix caching, no pool), each way, with the step's top CUDA kernels and the host's
-time in the forward (its wall time, and a cProfile of it on the executing thread).
+(prefix caching, no pool), eager and from a captured prefill graph, with each step's
+wall time on the executing thread (PROFILE=1: the step's top CUDA kernels).
 
     PYTHONPATH=$PWD python3 scripts/chunk_probe.py [random:llama-8b] [8192]
 """
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 
@@ -52,48 +49,41 @@ for ctx, new in () if dev.type != "cuda" else ((8192, 64), (8192, 1), (32768, 64
     print(f"prefill kernel, {new} new over {ctx}: 1 part {one * 1e3:.3f} ms, "
           f"{auto_parts} parts {split * 1e3:.3f} ms (rel. diff {err:.1e})")
 
-auto = pa.prefill_parts
-kw = dict(device=dev.type, block_size=64, max_num_tokens=max(n, 2048), enforce_eager=True,
+kw = dict(device=dev.type, block_size=64, max_num_tokens=max(n, 2048), max_batch_size=1,
           num_kv_blocks=cdiv(n, 64) * 2 + 64)
-with LLM(model, **kw) as llm:
-    prompt = _prompt(llm, n)
-    for label, parts in (("split context", auto), ("one part", lambda *a: 1),
-                         ("split context", auto)):
-        pa.prefill_parts = parts
+execute = ModelRunner.execute
+walls = []
+
+
+def timed(self, batch, *args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return execute(self, batch, *args, **kwargs)
+    finally:
+        walls.append((batch.num_tokens, round((time.perf_counter() - start) * 1e3, 2)))
+
+
+for eager in (True, False):
+    label = "eager" if eager else "graphs"
+    start = time.perf_counter()
+    with LLM(model, enforce_eager=eager, **kw) as llm:
+        print(f"bring-up ({label}): {time.perf_counter() - start:.1f} s")
+        prompt = _prompt(llm, n)
         times = []
-        for i in range(3):
+        for i in range(4):
             tail = (torch.randint(3, 1000, (64,)) + i).tolist()
             llm.generate([prompt[:n - 64] + tail[::-1]], ONE)  # computes (and caches) all
             out = llm.generate([prompt[:n - 64] + tail], ONE)[0]  # 8128 cached, 64 new
             times.append(out.metrics.ttft_s)
         print(f"engine, last 64 of {n} ({label}): TTFT {[round(t * 1e3, 1) for t in times]} ms")
-    pa.prefill_parts = auto
-    if dev.type == "cuda":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            llm.generate([prompt[:n - 64] + list(range(5, 69))], ONE)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
-                                        max_name_column_width=60))
-
-    execute = ModelRunner.execute
-    profile = cProfile.Profile()
-    walls = []
-
-    def profiled(self, batch, *args, **kwargs):
-        start = time.perf_counter()
-        if batch.num_tokens == 64:
-            profile.enable()
-        try:
-            return execute(self, batch, *args, **kwargs)
-        finally:
-            profile.disable()
-            walls.append((batch.num_tokens, round((time.perf_counter() - start) * 1e3, 2)))
-    ModelRunner.execute = profiled
-    for i in range(3):
-        llm.generate([prompt[:n - 64] + list(range(100 + i, 164 + i))], ONE)
-    print("execute wall (tokens, ms):", walls)
-    out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
-    print(out.getvalue()[-6000:])
-    out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(30)
-    print(out.getvalue()[-6000:])
+        ModelRunner.execute = timed
+        walls.clear()
+        for i in range(3):
+            llm.generate([prompt[:n - 64] + list(range(100 + i, 164 + i))], ONE)
+        ModelRunner.execute = execute
+        print(f"execute wall ({label}; tokens, ms):", walls)
+        if dev.type == "cuda" and os.environ.get("PROFILE"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                llm.generate([prompt[:n - 64] + list(range(5, 69))], ONE)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                            max_name_column_width=60))

@@ -38,7 +38,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache (default auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run every step eagerly (no captured decode graphs)")
+                   help="CUDA: run every step eagerly (no captured decode or short-prefill graphs)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

@@ -29,7 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full blocks across requests on a rank
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "auto"  # weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU
-    enforce_eager: bool = False  # CUDA: never replay captured decode graphs
+    enforce_eager: bool = False  # CUDA: never replay captured graphs (decode, short prefill)
     dp_size: int = 1  # attention data-parallel ranks
     tp_size: int = 1  # tensor-parallel ranks
     kv_connector: ConnectorConfig | None = None  # the KV pool connector; None = no pool

@@ -166,44 +166,58 @@ def test_engine_on_the_paged_path_equals_the_reference_path(kernel_model, overla
 
 
 @CPU_ONLY
-def test_decode_graph_inputs_give_the_reference_tokens(kernel_model):
-    """What a replayed graph reads (its padded batch: ladder sizes, scratch-block rows with no
-    context, its table gathered from the rows kept across steps), run eagerly on CPU through
-    the kernels: the reference path's tokens. The capture itself needs a GPU
-    (tests/test_cuda.py)."""
+def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
+    """What a replayed graph reads, run eagerly on CPU through the kernels: the reference
+    path's tokens. Decode graphs: their padded batch (ladder sizes, scratch-block rows with
+    no context), their table gathered from the rows kept across steps. Prefill graphs (not
+    for MLA): one request's chunk padded to the ladder, the padding rows a request with no
+    context, the context in a fixed number of parts (3 here; a CPU would take 1), as after
+    a prefix hit and for a prompt alone. The capture itself needs a GPU (tests/test_cuda.py)."""
     from shoal import LLM, SamplingParams
     from shoal.engine import cuda_graphs
     from shoal.model.attention_backend import TritonBackend
     from tests.conftest import random_prompts
 
-    class EagerGraphs(cuda_graphs.DecodeGraphs):
-        def __init__(self, model, kv_cache, max_batch_size, table_rows):
+    class EagerGraphs(cuda_graphs.StepGraphs):
+        def __init__(self, model, kv_cache, max_batch_size, max_num_tokens, table_rows):
             self.model, self.kv_cache, self.table_rows = model, kv_cache, table_rows
             self.width, self.block_size = table_rows.width, kv_cache.layout.block_size
             self.max_size = max_batch_size
-            self._build_inputs(torch.device("cpu"))
+            self._build_inputs(torch.device("cpu"), max_num_tokens, not model.cfg.is_mla)
 
         def replay(self, batch, runner, layer_hooks=None):
             g = self.prepare(batch, runner)
             self.num_replays += 1
-            return self._forward(g)[:len(batch.chunks)]
+            self.num_prefill_replays += not g.decode
+            return self._forward(g)[:sum(c.is_sampling for c in batch.chunks)]
 
+    monkeypatch.setattr(cuda_graphs, "prefill_parts", lambda device, programs, context: 3)
     tiny_model = kernel_model
-    prompts = random_prompts(512, [3, 17, 9, 30, 1], seed=15)
+    shared = random_prompts(512, [21], seed=16)[0]
+    prompts = [shared + p for p in random_prompts(512, [3, 17, 9, 30, 1], seed=15)]
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 6, 14)]
-    kw = dict(block_size=4, num_kv_blocks=128, max_batch_size=5)
+    kw = dict(block_size=4, num_kv_blocks=128, max_batch_size=5, max_num_tokens=32)
+
+    def run(llm):  # a batch, then each prompt alone (a prefix hit: one chunk in a step)
+        return ([o.token_ids for o in llm.generate(prompts, sp)]
+                + [llm.generate([p], s)[0].token_ids for p, s in zip(prompts, sp)])
+
     with LLM(tiny_model, **kw) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, sp)]
+        expected = run(llm)
     with LLM(tiny_model, **kw) as llm:
         runner = llm.engine.runner
         runner.model.use_backend(TritonBackend())
-        runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, runner.table_rows)
-        outs = llm.generate(prompts, sp)
-        assert runner.graphs.num_replays > 0
+        runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, 32, runner.table_rows)
+        outs = run(llm)
+        assert runner.graphs.num_replays > runner.graphs.num_prefill_replays
+        is_mla = runner.model.cfg.is_mla
+        assert (runner.graphs.num_prefill_replays > 0) != is_mla
+        assert sorted(t for kind, t in runner.graphs.graphs if kind == "prefill") == (
+            [] if is_mla else [16, 32])
         runner.graphs.table_rows.check_integrity()
         assert not runner.graphs.table_rows._rows  # every finished request gave its row back
         llm.check_integrity()
-    assert [o.token_ids for o in outs] == expected
+    assert outs == expected
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3)])

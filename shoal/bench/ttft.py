@@ -64,15 +64,17 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     temporary directory). `source="tier"`: the hit comes from the host tier: the engine
     first computes the prompt under a cache salt of its own (a miss: it is saved through
     the tier, which keeps it), then the timed request with the same salt hits the blocks
-    the tier holds (prefix caching is off, so it goes to the pool). tp > 1: every engine is a TP fleet. On a
-    GPU the prompt is prefilled in one chunk and decode graphs are not captured.
+    the tier holds (prefix caching is off, so it goes to the pool). tp > 1: every engine is
+    a TP fleet. On a GPU the prompt is prefilled in one chunk, and an engine runs one
+    request at a time (its CUDA graphs, captured for that: the one-row decode step and a
+    short chunk, such as the rest of a prompt after a hit, of up to 512 tokens).
     `skip_load_only`: no load-only engine (a dead-slow store would take ages), so the first
     round's engine meets the store with no load rate known (its first hit), and later
     rounds with what the rounds before learned; no floor then. `block_size`: tokens per KV
     block, so per pool file (a load's cost is mostly per file)."""
     kw = dict(device=device, tp_size=tp, block_size=block_size)
     if device.startswith("cuda"):
-        kw.update(max_num_tokens=max(prefix_tokens, 2048), enforce_eager=True,
+        kw.update(max_num_tokens=max(prefix_tokens, 2048), max_batch_size=1,
                   num_kv_blocks=cdiv(prefix_tokens, block_size) + 64)
     if source == "tier":
         kw.update(enable_prefix_caching=False)

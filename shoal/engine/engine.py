@@ -102,7 +102,7 @@ class Engine:
                                    self.info.max_model_len, self.transfers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device,
                                   self.info.max_model_len, config.max_batch_size,
-                                  config.enforce_eager)
+                                  config.enforce_eager, config.max_num_tokens)
         # structured output reads the vocabulary's text (the tokenizer loads at first use)
         tokenizer = self.tokenizer  # the callable holds it alone: no cycle keeps the engine
         self.runner.sampler.grammars = Grammars(lambda: tokenizer.hf, self.info.vocab_size,

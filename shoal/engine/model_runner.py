@@ -11,8 +11,9 @@ there from the previous step's samples, never from the host.
 One input layout for every attention backend (shoal.model.attention_backend, chosen when
 the model is built): ids, positions, KV slots, and per request its rows, lengths and
 block-table row (`PagedInputs`), sent in one copy; the torch backend (gather + SDPA) and
-the Triton kernels read the same. With the kernels, single-token decode steps replay CUDA
-graphs unless `enforce_eager` (both: shoal.engine.cuda_graphs).
+the Triton kernels read the same. With the kernels, single-token decode steps and one
+request's short chunk replay CUDA graphs unless `enforce_eager` (both:
+shoal.engine.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from shoal.engine.cuda_graphs import DecodeGraphs, StepInputs
+from shoal.engine.cuda_graphs import StepGraphs, StepInputs, chunk_rows
 from shoal.engine.scheduler import ScheduledBatch, ScheduledChunk
 from shoal.engine.table_rows import TableRows
 from shoal.kv.kv_cache import KVCache
@@ -44,7 +45,8 @@ PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are computed at once
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device,
-                 max_model_len: int, max_batch_size: int, enforce_eager: bool = True):
+                 max_model_len: int, max_batch_size: int, enforce_eager: bool = True,
+                 max_num_tokens: int = 0):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -65,7 +67,8 @@ class ModelRunner:
         if self.is_paged:
             self._warm_up()
         if self.is_paged and not enforce_eager and model.shard.size == 1:
-            self.graphs = DecodeGraphs(model, kv_cache, max_batch_size, self.table_rows)
+            self.graphs = StepGraphs(model, kv_cache, max_batch_size, max_num_tokens,
+                                     self.table_rows)
 
     @property
     def is_paged(self) -> bool:
@@ -73,13 +76,14 @@ class ModelRunner:
         return self.model.backend.paged
 
     def execute(self, batch: ScheduledBatch, token_counts: list[int],
-                layer_hooks=None) -> SampledTokens:
+                layer_hooks=None, eager: bool = False) -> SampledTokens:
         """Launch one step; returns one sampled token per sampling chunk, in chunk order.
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
-        `layer_hooks` (the connector's worker hooks) are called around every layer."""
+        `layer_hooks` (the connector's worker hooks) are called around every layer.
+        `eager`: no graph replay."""
         sampling = [c for c in batch.chunks if c.is_sampling]
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.can_replay(batch):
+            if not eager and self.graphs is not None and self.graphs.can_replay(batch):
                 logits = self.graphs.replay(batch, self, layer_hooks)
             else:
                 input_ids, positions, meta, sample_rows = self._prepare(batch, token_counts)
@@ -99,15 +103,15 @@ class ModelRunner:
 
     def time_prefill(self, num_tokens: int) -> float:
         """Seconds one prefill forward of `num_tokens` tokens takes (run at bring-up: it
-        measures the prefill rate and pays the first forward's one-time costs). Its KV goes
-        to the scratch block only."""
+        measures the eager prefill rate and pays the first forward's one-time costs). Its KV
+        goes to the scratch block only."""
         probe = Request("shoal-bring-up-prefill", [1] * num_tokens, SamplingParams(max_tokens=1),
                         frozenset())
         scratch = [self.kv_cache.scratch_block] * cdiv(num_tokens, self.block_size)
         batch = ScheduledBatch([ScheduledChunk(probe, 0, num_tokens, probe.prompt_token_ids, 0,
                                                scratch, True, 0)], num_tokens)
         start = time.perf_counter()
-        self.execute(batch, [num_tokens]).tolist()
+        self.execute(batch, [num_tokens], eager=True).tolist()
         seconds = time.perf_counter() - start
         self.forget(probe.request_id)
         self._prev_rows = {}
@@ -193,16 +197,11 @@ class ModelRunner:
         ids, positions, slot_blocks, starts, lens, ctxs, sample_rows = [], [], [], [], [], [], []
         row = 0
         for chunk in batch.chunks:
-            end = chunk.start + chunk.num_tokens
-            pos = np.arange(chunk.start, end, dtype=np.int32)
-            first = chunk.start // bs  # the chunk's own blocks only
-            blocks = np.asarray(chunk.block_ids[first:cdiv(end, bs)], dtype=np.int32)
-            ids.append(np.asarray(chunk.token_ids + [0] * chunk.num_placeholders, np.int32))
-            positions.append(pos)
-            slot_blocks.append(blocks[pos // bs - first])
+            for out, array in zip((ids, positions, slot_blocks), chunk_rows(chunk, bs)):
+                out.append(array)
             starts.append(row)
             lens.append(chunk.num_tokens)
-            ctxs.append(end)
+            ctxs.append(chunk.start + chunk.num_tokens)
             row += chunk.num_tokens
             if chunk.is_sampling:
                 sample_rows.append(row - 1)

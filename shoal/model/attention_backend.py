@@ -80,7 +80,7 @@ class TritonBackend:
         if p.max_query_len == 1:
             return paged_decode(q, k_cache, v_cache, p.block_table, p.context_lens)
         return paged_prefill(q, k_cache, v_cache, p.block_table, p.query_starts, p.query_lens,
-                             p.context_lens, p.max_query_len)
+                             p.context_lens, p.max_query_len, parts=p.parts)
 
 
 def default_backend(device: torch.device) -> TorchBackend | TritonBackend:

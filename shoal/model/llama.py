@@ -37,6 +37,9 @@ class PagedInputs:
     # the three above as host lists (starts, lens, context lens), for a backend that loops
     # over requests on the host (the torch backend); None in a CUDA graph's inputs
     host: tuple[list[int], list[int], list[int]] | None = None
+    # the parts a prefill's contexts are split into (None: as the table's width says);
+    # a CUDA graph fixes them at capture
+    parts: int | None = None
 
 
 @dataclass

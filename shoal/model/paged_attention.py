@@ -287,7 +287,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
-    block_m = 64  # one variant: no compile on a new chunk length while serving
+    block_m = PREFILL_TILE  # one variant: no compile on a new chunk length while serving
     tiles = triton.cdiv(max_q_len, block_m)
     if parts is None:
         parts = prefill_parts(q.device, q_lens.shape[0] * tiles * num_heads,
@@ -313,6 +313,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+PREFILL_TILE = 64  # query rows of a prefill program
 MAX_PARTS = 16
 PART_KEYS = 512  # the fewest keys a part of a split context walks
 
