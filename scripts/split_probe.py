@@ -2,12 +2,14 @@
 each engine step (its length, the tokens the request's front computed), each planner
 decision (admission and the front's steps) and each load progress poll.
 
-    [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] PYTHONPATH=$PWD \
+    [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] [GATE=S] PYTHONPATH=$PWD \
         python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
 POLL: the engine's longest wait while it only waits for loads (engine.IDLE_WAIT_SECONDS); SWITCH:
 `sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
-from I/O); WHOLE=N: only N engines that load whole (no split).
+from I/O); WHOLE=N: only N engines that load whole (no split); GATE: the longest a chunk
+read from files holds its copies back while a forward is launched (paged_io.LAUNCH_WAIT_S;
+0: never).
 
 As `shoal bench ttft` runs it: an engine computes and saves the prompt, a load-only
 engine teaches the rates (kept for the next engine), then the traced engine's hit. With
@@ -21,6 +23,7 @@ import time
 
 from shoal import LLM
 from shoal.bench.ttft import ONE, _prompt, bench_pool
+from shoal.connectors.store import paged_io
 from shoal.connectors.store.worker import StoreWorker
 from shoal.engine.engine import Engine
 from shoal.connectors.store.scheduler import StoreScheduler
@@ -32,7 +35,7 @@ model, n = sys.argv[1], int(sys.argv[2])
 bs = int(sys.argv[3]) if len(sys.argv) > 3 else 16
 source = sys.argv[4] if len(sys.argv) > 4 else "files"
 kw = dict(device=os.environ.get("DEVICE", "cuda"), block_size=bs, max_num_tokens=max(n, 2048),
-          enforce_eager=True, num_kv_blocks=cdiv(n, bs) + 64,
+          max_batch_size=1, num_kv_blocks=cdiv(n, bs) + 64,
           enable_prefix_caching=source != "tier")
 events: list[tuple[float, str]] = []
 tracing = False
@@ -84,6 +87,7 @@ import shoal.engine.engine as engine_module  # noqa: E402
 engine_module.IDLE_WAIT_SECONDS = float(os.environ.get("POLL", engine_module.IDLE_WAIT_SECONDS))
 if "SWITCH" in os.environ:
     sys.setswitchinterval(float(os.environ["SWITCH"]))
+paged_io.LAUNCH_WAIT_S = float(os.environ.get("GATE", paged_io.LAUNCH_WAIT_S))
 modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])
          if "WHOLE" in os.environ else
          (("load whole", dict(compute_while_loading=False)), ("split", {}), ("split again", {})))

@@ -336,6 +336,48 @@ def test_an_idle_wait_for_transfers_ends_when_they_move(tmp_path, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_copies_of_blocks_read_from_files_wait_while_a_forward_is_launched(tmp_path, device,
+                                                                           monkeypatch):
+    """From start_load_kv to wait_for_save the executing thread launches the step's
+    forward: on a GPU a chunk read from files holds its copies and checks back meanwhile
+    (their torch calls would take the GIL from the launch), and the load lands once the
+    launch is done. On a CPU nothing waits: the gate only opens and closes."""
+    from shoal.connectors.store import paged_io
+
+    n = 12
+    saver, _, keys, original = saved_blocks(tmp_path, device, n)
+    saver.shutdown()
+    monkeypatch.setattr(paged_io, "LAUNCH_WAIT_S", 60.0)  # a missed open would hang the test
+    worker, kv = make_worker(tmp_path, device, tier_bytes=64 << 20)
+    gate = worker._mover._not_launching
+    held = threading.Event()  # an I/O thread waits at the gate
+    real_wait = gate.wait
+
+    def wait(timeout=None):
+        if not gate.is_set():
+            held.set()
+        return real_wait(timeout)
+    monkeypatch.setattr(gate, "wait", wait)
+    worker.bind_connector_meta(FsPoolMeta(loads=[BlockTransfer("l", i, 32 + i, k)
+                                                 for i, k in enumerate(keys)]))
+    worker.start_load_kv()
+    assert not gate.is_set()
+    if device == "cuda":
+        assert held.wait(30)
+        assert worker.get_finished([], ["l"]) == (set(), set())  # held at the gate
+    worker.wait_for_save()  # the launch is done
+    assert gate.is_set()
+    worker.clear_connector_meta()
+    deadline = time.monotonic() + 60
+    while not worker.get_finished([], ["l"])[1]:
+        assert time.monotonic() < deadline
+        worker.wait_for_transfers(1)
+    assert torch.equal(kv[32:32 + n], original)
+    assert held.is_set() == (device == "cuda")
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_abort_returns_only_after_the_copies_of_running_loads_end(tmp_path, device):
     n = 48
     worker, kv = make_worker(tmp_path, device, tier_bytes=0 if device == "cuda" else 1 << 20,

@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 # the longest pause of a step that only waits for transfers (a worker that can tell when
 # they move ends it sooner; one that cannot pauses 0.5 ms): new requests wait that long
 IDLE_WAIT_SECONDS = 0.002
-PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 2048, 128  # the bring-up forwards that measure prefill
+# the bring-up forwards that measure prefill: the longer one at most this long, the other a
+# quarter of it (a GPU's eager forward of a few hundred tokens is bound by its launches, and
+# its time says little of a long front's)
+PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 8192, 128
 
 STAT_KEYS = (
     "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",

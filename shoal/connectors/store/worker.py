@@ -124,6 +124,8 @@ class StoreWorker(KvConnectorWorker):
         return shard_key(t.key, *self._shard)
 
     def start_load_kv(self) -> None:
+        if self._mover is not None:  # the forward is launched next (until wait_for_save)
+            self._mover.launching(True)
         meta: PoolMeta | None = self.get_connector_meta()
         if not meta:
             return
@@ -180,10 +182,9 @@ class StoreWorker(KvConnectorWorker):
         return future
 
     def wait_for_transfers(self, timeout: float) -> None:
-        """Until a unit landed or an I/O task ended since the last poll began (or
-        `timeout`): an engine that only waits for loads polls when they moved, not every
-        0.5 ms (each of its polls runs Python while the I/O threads need the GIL back after
-        each read)."""
+        """Until a unit landed or an I/O task ended since the last poll began (or `timeout`):
+        an engine that only waits for loads polls when they moved, not every 0.5 ms (its
+        polls run Python while the I/O threads need the GIL back after each read)."""
         self._moved.wait(timeout)
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
@@ -194,6 +195,8 @@ class StoreWorker(KvConnectorWorker):
 
     def wait_for_save(self) -> None:
         """Start the step's saves; nothing here waits for a copy or a write."""
+        if self._mover is not None:  # the forward is launched
+            self._mover.launching(False)
         meta: PoolMeta | None = self.get_connector_meta()
         if not meta or not meta.saves:
             return
