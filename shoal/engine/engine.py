@@ -39,9 +39,11 @@ log = logging.getLogger(__name__)
 # they move ends it sooner; one that cannot pauses 0.5 ms): new requests wait that long
 IDLE_WAIT_SECONDS = 0.002
 # the bring-up forwards that measure prefill: the longer one at most this long, the other a
-# quarter of it (a GPU's eager forward of a few hundred tokens is bound by its launches, and
-# its time says little of a long front's)
-PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 8192, 128
+# quarter of it. On a GPU the shorter one's time is mostly launches, which the planner
+# then counts as a forward's fixed cost; with probes of 2048 and 8192 tokens (H100) that
+# cost came out 0 and the planner split 1B hits from the host tier into a front whose
+# eager forward took longer than loading it all (0.56 of the recompute against 0.26)
+PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 2048, 128
 
 STAT_KEYS = (
     "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",
