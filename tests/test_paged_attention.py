@@ -170,9 +170,10 @@ def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
     """What a replayed graph reads, run eagerly on CPU through the kernels: the reference
     path's tokens. Decode graphs: their padded batch (ladder sizes, scratch-block rows with
     no context), their table gathered from the rows kept across steps. Prefill graphs (not
-    for MLA): one request's chunk padded to the ladder, the padding rows a request with no
-    context, the context in a fixed number of parts (3 here; a CPU would take 1), as after
-    a prefix hit and for a prompt alone. The capture itself needs a GPU (tests/test_cuda.py)."""
+    for MLA): one request's chunk padded to the ladder (16 and 30 tokens here), the padding
+    rows a request with no context, the context in a fixed number of parts (3 here; a CPU
+    would take 1), as after a prefix hit and for a prompt alone, in chunks that start
+    inside a block. The capture itself needs a GPU (tests/test_cuda.py)."""
     from shoal import LLM, SamplingParams
     from shoal.engine import cuda_graphs
     from shoal.model.attention_backend import TritonBackend
@@ -192,28 +193,34 @@ def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
             return self._forward(g)[:sum(c.is_sampling for c in batch.chunks)]
 
     monkeypatch.setattr(cuda_graphs, "prefill_parts", lambda device, programs, context: 3)
+    monkeypatch.setattr(cuda_graphs, "PREFILL_LADDER", (16, 30))
     tiny_model = kernel_model
     shared = random_prompts(512, [21], seed=16)[0]
     prompts = [shared + p for p in random_prompts(512, [3, 17, 9, 30, 1], seed=15)]
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 6, 14)]
-    kw = dict(block_size=4, num_kv_blocks=128, max_batch_size=5, max_num_tokens=32)
+    kw = dict(block_size=4, num_kv_blocks=128, max_batch_size=5, max_num_tokens=30)
+    alone = random_prompts(512, [70], seed=17)[0]  # chunks of 30, 30, 10: from 30, 60
 
-    def run(llm):  # a batch, then each prompt alone (a prefix hit: one chunk in a step)
-        return ([o.token_ids for o in llm.generate(prompts, sp)]
-                + [llm.generate([p], s)[0].token_ids for p, s in zip(prompts, sp)])
+    def run(llm):  # a batch, then (but for MLA: no prefill graphs) each prompt alone (a
+        # prefix hit: one chunk in a step) and a new one alone
+        outs = [o.token_ids for o in llm.generate(prompts, sp)]
+        if not llm.engine.runner.model.cfg.is_mla:
+            few = SamplingParams(max_tokens=3, ignore_eos=True)
+            outs += [o.token_ids for p in prompts + [alone] for o in llm.generate([p], few)]
+        return outs
 
     with LLM(tiny_model, **kw) as llm:
         expected = run(llm)
     with LLM(tiny_model, **kw) as llm:
         runner = llm.engine.runner
         runner.model.use_backend(TritonBackend())
-        runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, 32, runner.table_rows)
+        runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, 30, runner.table_rows)
         outs = run(llm)
         assert runner.graphs.num_replays > runner.graphs.num_prefill_replays
         is_mla = runner.model.cfg.is_mla
         assert (runner.graphs.num_prefill_replays > 0) != is_mla
         assert sorted(t for kind, t in runner.graphs.graphs if kind == "prefill") == (
-            [] if is_mla else [16, 32])
+            [] if is_mla else [16, 30])
         runner.graphs.table_rows.check_integrity()
         assert not runner.graphs.table_rows._rows  # every finished request gave its row back
         llm.check_integrity()

@@ -1,4 +1,4 @@
-"""TableRows: block-table rows kept from step to step for the decode graphs."""
+"""TableRows: block-table rows kept from step to step for the CUDA graphs and eager steps."""
 
 from __future__ import annotations
 

@@ -66,8 +66,8 @@ def run_ttft(model: str, prefix_tokens: int, rounds: int, device: str, tp: int =
     the tier, which keeps it), then the timed request with the same salt hits the blocks
     the tier holds (prefix caching is off, so it goes to the pool). tp > 1: every engine is
     a TP fleet. On a GPU the prompt is prefilled in one chunk, and an engine runs one
-    request at a time (its CUDA graphs, captured for that: the one-row decode step and a
-    short chunk, such as the rest of a prompt after a hit, of up to 512 tokens).
+    request at a time (on one rank with CUDA graphs captured for that: the one-row decode
+    step and a short chunk, such as the rest of a prompt after a hit, of up to 512 tokens).
     `skip_load_only`: no load-only engine (a dead-slow store would take ages), so the first
     round's engine meets the store with no load rate known (its first hit), and later
     rounds with what the rounds before learned; no floor then. `block_size`: tokens per KV

@@ -106,31 +106,35 @@ class _Graph:
 
     # host layout: ids | positions | slot blocks | slot offsets (`tokens` each), then query
     # starts | query lens | context lens | table rows | sampled rows | placeholder rows |
-    # their sources (`seqs` each), then the table entries to write (flat indices, block ids)
+    # their sources (`seqs` each), each from a 64-byte boundary (as StepInputs: no kernel
+    # variant per alignment); then the table entries to write (flat indices, block ids)
     TOKEN_VECTORS, SEQ_VECTORS = 4, 7
 
     def __init__(self, tokens: int, decode: bool, width: int, device: torch.device,
                  scratch_block: int, parts: int | None = None):
         self.size, self.decode = tokens, decode
         self.seqs = tokens if decode else 2
-        t, s = tokens, self.seqs
-        self.buffer = torch.zeros(self.TOKEN_VECTORS * t + self.SEQ_VECTORS * s,
-                                  dtype=torch.int32, device=device)
-        (self.ids, self.positions, self.slot_blocks, self.slot_offsets) = (
-            self.buffer[i * t:(i + 1) * t] for i in range(self.TOKEN_VECTORS))
-        (starts, query_lens, ctxs, self.table_rows, self.samples, self.fill_rows,
-         self.sources) = (self.buffer[4 * t + i * s:4 * t + (i + 1) * s]
-                          for i in range(self.SEQ_VECTORS))
+        self._lengths = [tokens] * self.TOKEN_VECTORS + [self.seqs] * self.SEQ_VECTORS
+        self._starts = [sum(cdiv(n, ALIGN) * ALIGN for n in self._lengths[:i])
+                        for i in range(len(self._lengths) + 1)]
+        self.buffer = torch.zeros(self._starts[-1], dtype=torch.int32, device=device)
+        (self.ids, self.positions, self.slot_blocks, self.slot_offsets, starts, query_lens,
+         ctxs, self.table_rows, self.samples, self.fill_rows, self.sources) = self._vectors(
+            self.buffer)
         self.slot_blocks.fill_(scratch_block)
-        self.table = torch.zeros(s, width, dtype=torch.int32, device=device)  # gathered
+        self.table = torch.zeros(self.seqs, width, dtype=torch.int32, device=device)  # gathered
         self.scratch_block = scratch_block  # padded rows write it: no request owns it
         self.meta = AttentionMetadata(self.slot_blocks, self.slot_offsets, PagedInputs(
             self.table, starts, query_lens, ctxs, 1 if decode else tokens, parts=parts))
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
+    def _vectors(self, buffer):
+        """The layout's vectors, as views of `buffer` (the device's or a host's)."""
+        return [buffer[start:start + n] for start, n in zip(self._starts, self._lengths)]
+
     def host_size(self, width: int) -> int:
-        return self.TOKEN_VECTORS * self.size + self.SEQ_VECTORS * self.seqs + 2 * self.seqs * width
+        return self._starts[-1] + 2 * self.seqs * width
 
     def fill(self, chunks, pinned: torch.Tensor, block_size: int, placeholders,
              table_rows: TableRows, staging: torch.Tensor) -> int:
@@ -140,9 +144,8 @@ class _Graph:
         rows (`fill_rows[:k]`, to be filled from `sources[:k]` on the device)."""
         t, s, bs = self.size, self.seqs, block_size
         host = pinned.numpy()
-        ids, pos, blocks, offsets = (host[i * t:(i + 1) * t] for i in range(self.TOKEN_VECTORS))
-        starts, query_lens, ctxs, rows, samples, fill_rows, sources = (
-            host[4 * t + i * s:4 * t + (i + 1) * s] for i in range(self.SEQ_VECTORS))
+        (ids, pos, blocks, offsets, starts, query_lens, ctxs, rows, samples, fill_rows,
+         sources) = self._vectors(host)
         if self.decode:  # a row per request, each one position deep
             n = len(chunks)
             pos[:n] = [c.start for c in chunks]
@@ -161,8 +164,8 @@ class _Graph:
             samples[:] = n - 1
         np.remainder(pos[:n], bs, out=offsets[:n])
         rows[:len(chunks)], indices, values = table_rows.place(chunks, bs)
-        # padded rows (the buffer is shared by every size: stale otherwise): write the
-        # scratch block (through any table row)
+        # padded rows (the host buffer is shared by every graph: stale otherwise): write
+        # the scratch block (through any table row)
         for vector, value in ((ids, 0), (pos, 0), (blocks, self.scratch_block), (offsets, 0)):
             vector[n:] = value
         rows[len(chunks):] = 0
@@ -170,7 +173,7 @@ class _Graph:
         k = len(sampled_rows)
         fill_rows[:k], sources[:k] = sampled_rows, srcs
         # what travels: the vectors, and the table entries the step's requests added
-        vectors, m = self.TOKEN_VECTORS * t + self.SEQ_VECTORS * s, len(indices)
+        vectors, m = self._starts[-1], len(indices)
         host[vectors:vectors + m], host[vectors + m:vectors + 2 * m] = indices, values
         self.buffer.copy_(pinned[:vectors], non_blocking=True)
         if m:

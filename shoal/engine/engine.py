@@ -39,10 +39,9 @@ log = logging.getLogger(__name__)
 # they move ends it sooner; one that cannot pauses 0.5 ms): new requests wait that long
 IDLE_WAIT_SECONDS = 0.002
 # the bring-up forwards that measure prefill: the longer one at most this long, the other a
-# quarter of it. On a GPU the shorter one's time is mostly launches, which the planner
-# then counts as a forward's fixed cost; with probes of 2048 and 8192 tokens (H100) that
-# cost came out 0 and the planner split 1B hits from the host tier into a front whose
-# eager forward took longer than loading it all (0.56 of the recompute against 0.26)
+# quarter of it. On a GPU the shorter one's time is mostly launches: the planner's fixed
+# cost of a forward (with 2048 and 8192 it came out 0, and 1B tier hits were split into
+# launch-bound fronts: docs/benchmarks.md, eleventh session)
 PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 2048, 128
 
 STAT_KEYS = (
@@ -87,7 +86,7 @@ class _Executed:
     transfers: TransferReport | None  # the connector's poll at the end of the step
     logprobs: list | None = None  # per sampled token: its TokenLogprobs or None (not asked)
     prompt_logprobs: list = field(default_factory=list)  # (rid, position, TokenLogprobs)
-    started: float = 0.0  # perf_counter when the executing thread took the step up
+    started: float | None = 0.0  # perf_counter when the executing thread took it up (None: a graph)
 
 
 class Engine:
@@ -255,7 +254,8 @@ class Engine:
             sampled = self.runner.execute(batch, token_counts, hooks)
             self._counts["forward_seconds"] += time.perf_counter() - start
         report = transfers.poller.end_step(batch.transfers) if transfers is not None else None
-        return _Executed(sampled, report, *self.runner.take_logprobs(), started)
+        return _Executed(sampled, report, *self.runner.take_logprobs(),
+                         None if self.runner.replayed else started)
 
     def _update(self, keep: int) -> list[Request]:
         """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
@@ -265,9 +265,10 @@ class Engine:
             batch, future = self._inflight.popleft()
             out = future.result()
             sampled = out.sampled.tolist()  # waits for the device
-            # the prefill rate a load split weighs (SPEC 3.1), from steps no load overlapped:
-            # from when the executing thread took the step up to its samples on the host
-            if self.transfers is not None and not batch.transfers.loading_ids:
+            # the (eager) prefill rate a load split weighs (SPEC 3.1), from steps no load
+            # overlapped: from when the executing thread took one up to its samples on the host
+            if (self.transfers is not None and not batch.transfers.loading_ids
+                    and out.started is not None):
                 self.transfers.planner.observe_prefill(
                     _prefill_chunks(batch), time.perf_counter() - out.started)
             outcome = None

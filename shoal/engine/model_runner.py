@@ -64,6 +64,7 @@ class ModelRunner:
         self.table_rows = TableRows(2 * max_batch_size, self.table_width, device)
         self._inputs = StepInputs(device)
         self.graphs = None
+        self.replayed = False  # the last execute replayed a graph
         if self.is_paged:
             self._warm_up()
         if self.is_paged and not enforce_eager and model.shard.size == 1:
@@ -83,7 +84,9 @@ class ModelRunner:
         `eager`: no graph replay."""
         sampling = [c for c in batch.chunks if c.is_sampling]
         with torch.inference_mode():
-            if not eager and self.graphs is not None and self.graphs.can_replay(batch):
+            self.replayed = (not eager and self.graphs is not None
+                             and self.graphs.can_replay(batch))
+            if self.replayed:
                 logits = self.graphs.replay(batch, self, layer_hooks)
             else:
                 input_ids, positions, meta, sample_rows = self._prepare(batch, token_counts)
@@ -154,8 +157,8 @@ class ModelRunner:
 
     def _warm_up(self) -> None:
         """Compile the Triton kernels of attention and of the MoE (each tile size) now, not
-        in the first request that needs one: decode graphs' capture reaches only some, and
-        an eager engine or a TP or ADP rank captures none."""
+        in the first request that needs one: the graphs' capture reaches only some, and an
+        eager engine or a TP or ADP rank captures none."""
         moe = next((layer.mlp for layer in self.model.layers
                     if isinstance(layer.mlp, SparseMoE)), None)  # (DeepSeek's first are dense)
         with torch.inference_mode():

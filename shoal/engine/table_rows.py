@@ -5,7 +5,7 @@ its requests added since the last (a decode adds one every block_size tokens), a
 row when a request joins or its block list was replaced (a preemption or a release gives
 a request a new list; a list is only ever appended to while held: ScheduledChunk). The
 step's table [requests, columns] is then one device gather of its rows (the runner's, or
-a decode graph's first op), so a step's host work no longer grows with its requests'
+a CUDA graph's first op), so a step's host work no longer grows with its requests'
 context lengths.
 
     rows    | r0: a's blocks | r1: (free) | r2: b's blocks | ...     `table`, on the device

@@ -95,9 +95,8 @@ class StoreWorker(KvConnectorWorker):
         if num_pages:
             self.tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu)
             self._mover = PagedMover(self.kv, self.tier)
-            # saves are finished on threads of their own (paged_io: why that cannot hang);
-            # few of them: each block written costs some Python under the GIL, and many
-            # writer threads queueing for it delay the executing thread's launches (measured)
+            # saves are finished on threads of their own (paged_io: why that cannot hang); few:
+            # each block written costs Python under the GIL, which the launches wait for
             self._writers = ThreadPoolExecutor(max(1, self._num_threads // 4),
                                                thread_name_prefix="shoal-pool-write")
             self._block_bytes = []
@@ -109,8 +108,7 @@ class StoreWorker(KvConnectorWorker):
 
     def _start_io_threads(self) -> None:
         """Start every I/O thread now, each with its CUDA stream and staging buffer: made at
-        a request's first load they cost that request ~1 ms a thread (measured on an H200,
-        a fresh engine's 8k-token load)."""
+        a request's first load they cost that request ~1 ms a thread (H200, 8k tokens)."""
         ready = threading.Barrier(self._num_threads)  # one task per thread: all wait here
 
         def start() -> None:
@@ -124,8 +122,8 @@ class StoreWorker(KvConnectorWorker):
         return shard_key(t.key, *self._shard)
 
     def start_load_kv(self) -> None:
-        if self._mover is not None:  # the forward is launched next (until wait_for_save)
-            self._mover.launching(True)
+        if self._mover is not None and self.is_async:  # the forward is launched next (until
+            self._mover.launching(True)  # wait_for_save; sync loads run on this thread)
         meta: PoolMeta | None = self.get_connector_meta()
         if not meta:
             return
@@ -281,6 +279,8 @@ class StoreWorker(KvConnectorWorker):
         return {**s, **self.store.stats()}
 
     def shutdown(self) -> None:
+        if self._mover is not None:  # (a step that failed may have left the gate closed)
+            self._mover.launching(False)
         self._io.shutdown(wait=True)
         if self._mover is not None:
             self._writers.shutdown(wait=True)
