@@ -3,7 +3,9 @@
 #   scripts/gpu_round.sh tests            CUDA tests + kernel tests (compiled Triton)
 #   scripts/gpu_round.sh bench SHAPE ...  shoal bench throughput for random:<shape>s
 #   scripts/gpu_round.sh pool SPEC ...     issue 25's grid: shoal bench ttft for each
-#                                         shape:prefix_tokens:source:rounds (source files|tier)
+#                                         shape:prefix_tokens:source[:rounds[:block_size]]
+#                                         (source files|tier; 2 rounds, 64-token blocks), a
+#                                         line a point in $OUT/grid.txt
 #   scripts/gpu_round.sh moe              issue 30's figures: the fused MoE's tiles, the MoE
 #                                         and MLA decode step at batch 64 and 256, and
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
@@ -58,11 +60,21 @@ elif [ "$what" = leads ]; then
       | cut -c1-200 | tee -a "$OUT/leads.log"
   done
 elif [ "$what" = pool ]; then
-  for spec in "$@"; do  # shape:prefix_tokens:source:rounds
-    IFS=: read -r shape n source rounds <<<"$spec"
+  for spec in "$@"; do  # shape:prefix_tokens:source[:rounds[:block_size]]
+    IFS=: read -r shape n source rounds bs <<<"$spec"
     echo "== $spec" >>"$OUT/pool.log"
     python3 -m shoal bench ttft --model "random:$shape" --device cuda --prefix-tokens "$n" \
-      --source "$source" --rounds "${rounds:-2}" 2>&1 | tee -a "$OUT/pool.log" | tail -6
+      --source "$source" --rounds "${rounds:-2}" --block-size "${bs:-64}" 2>&1 \
+      | tee -a "$OUT/pool.log" | tail -6 | cut -c1-160
+    # one line a point: the ratios to the recompute, the decision, the floor
+    tail -1 "$OUT/pool.log" | python3 -c 'import json, sys
+d = json.loads(sys.stdin.read()); s = d["split"] or {}
+r = [d[k] for k in ("ttft_recomputed_s", "ratio_load_only_over_recomputed",
+                    "ratio_pool_over_recomputed", "ratio_floor_over_recomputed")]
+print("%s %s %s: recomputed %.3f s, whole %.3f, compute+load %.3f (%s %s/%s), floor %.3f" % (
+    d["model"], d["prompt_tokens"], d["source"], r[0], r[1], r[2], s.get("decision"),
+    s.get("front_tokens"), s.get("loaded_tokens"), r[3]))' \
+      2>/dev/null | tee -a "$OUT/grid.txt"
   done
 else
   for spec in "$@"; do  # shape:num_prompts:prompt_len:max_tokens
