@@ -57,7 +57,7 @@ def trace(cls, name, show):
 
 trace(LoadPlanner, "admit", lambda p, a, out: f"blocks {a[:2]} -> load_from {out.load_from} "
       f"first {out.first} (C {p.prefill_tps.value:.0f}, L {p.load_tps.value}, F "
-      f"{p.load_latency_s.value}, overhead {p.prefill_overhead_s:.4f})")
+      f"{p.load_latency_s.value}, overhead {p.prefill_overhead_s:.4f}, launch {p.prefill_launch_s:.4f})")
 trace(LoadPlanner, "front_step", lambda p, a, out: f"front {a[0]} writes_from {a[1]} "
       f"landed_from {a[2]} end {a[3]} -> {out}")
 trace(StoreWorker, "get_load_progress", lambda w, a, out: f"{ {k: v for k, v in out.items()} }")

@@ -76,6 +76,31 @@ def test_a_forward_s_fixed_cost_moves_the_split_towards_the_load():
     assert p.admit(0, 512).first.num_tokens == 0
 
 
+def test_a_front_whose_launches_outlast_the_load_waits_for_it():
+    """On a GPU no eager forward takes less than its launches. An 8k-token 1B hit from host
+    memory (rates as measured on an H100) loads whole in less time than a front's launches
+    take, so it is loaded whole; in a linear model (no launch floor) it was split into a
+    1,300-token front, which ran 16 ms longer than loading it all. A slower load (the
+    files') still splits, and the front's share is one the launches do not outlast."""
+    def p(load, launch):
+        q = planner(prefill=220_000.0, load=load, latency=0.0005)
+        q.prefill_launch_s = launch
+        return q
+    assert p(1_300_000.0, 0.0).admit(0, 512).first.num_tokens > 0  # a linear model splits
+    d = p(1_300_000.0, 0.008).admit(0, 512)
+    assert d.load_from == 0 and d.first.num_tokens == 0
+    d = p(150_000.0, 0.008).admit(0, 512)
+    assert 0 < d.load_from < 512 and d.first.num_tokens / 220_000 > 0.008
+    # what the bring-up measured, and a launch longer than the large forward is capped
+    q = planner()
+    q.calibrate_prefill((512, 0.0125), (2048, 0.0225), launch_s=0.012)
+    assert q.prefill_launch_s == 0.012
+    assert q.compute_seconds(0, 16) == 0.012  # a short forward: its launches
+    assert q.compute_seconds(0, 4096) == pytest.approx(0.0125 + 3584 / 153_600)
+    q.calibrate_prefill((512, 0.0125), (2048, 0.0225), launch_s=1.0)
+    assert q.prefill_launch_s == 0.0225
+
+
 def test_the_load_s_own_rate_overrides_earlier_loads():
     p = planner(prefill=1000.0, load=1e9)
     # 10 s in, only 16 of 1024 tokens landed: this load is dead slow, compute the rest
@@ -228,13 +253,14 @@ def test_rates_are_kept_for_the_next_run(tmp_path):
     path = tmp_path / "rates" / "x.json"
     p = planner(prefill=123.0, load=456.0, latency=0.5)
     p.prefill_overhead_s = 0.01
+    p.prefill_launch_s = 0.02
     p.host_load_tps.value, p.host_load_latency_s.value = 789.0, 0.25
     p.save(path)
     q = planner()
     q.restore(path)
     assert (q.prefill_tps.value, q.load_tps.value, q.load_latency_s.value) == (123.0, 456.0, 0.5)
     assert (q.host_load_tps.value, q.host_load_latency_s.value) == (789.0, 0.25)
-    assert q.prefill_overhead_s == 0.01
+    assert q.prefill_overhead_s == 0.01 and q.prefill_launch_s == 0.02
     # a file from before the prefill rate was counted in work: its load rates only
     path.write_text(json.dumps({"prefill_tps": 123.0, "prefill_overhead_s": 0.01,
                                 "load_tps": 456.0}))

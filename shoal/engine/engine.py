@@ -39,10 +39,8 @@ log = logging.getLogger(__name__)
 # they move ends it sooner; one that cannot pauses 0.5 ms): new requests wait that long
 IDLE_WAIT_SECONDS = 0.002
 # the bring-up forwards that measure prefill: the longer one at most this long, the other a
-# quarter of it. On a GPU the shorter one's time is mostly launches: the planner's fixed
-# cost of a forward (with 2048 and 8192 it came out 0, and 1B tier hits were split into
-# launch-bound fronts: docs/benchmarks.md, eleventh session)
-PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 2048, 128
+# quarter of it (on a GPU, long enough for the GPU's work to outlast the launches)
+PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 8192, 128
 
 STAT_KEYS = (
     "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",
@@ -144,8 +142,8 @@ class Engine:
         small = max(large // 4, 1)
         self.runner.time_prefill(small)
         if measure:
-            self.transfers.planner.calibrate_prefill((small, self.runner.time_prefill(small)),
-                                                     (large, self.runner.time_prefill(large)))
+            (t1, launch), (t2, _) = self.runner.time_prefill(small), self.runner.time_prefill(large)
+            self.transfers.planner.calibrate_prefill((small, t1), (large, t2), launch)
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ fixed cost and the load's first-block latency.
              a step             next chunks   by a forward)
 
 The rates are exponentially weighted averages: the prefill rate and a forward's fixed cost
-from two forwards at bring-up (where the engine can run one) and from steps that are
+from two forwards at bring-up (where the engine can run one; on a GPU also the host's time
+launching one, which no eager forward takes less than) and from steps that are
 mostly prefill with no load pending (a load's I/O threads slow the steps they overlap),
 the load rate and latency from each finished load, and all of them from the last run
 (kept per model, device and connector options). Loads have two rates: from the store and
@@ -109,7 +110,10 @@ class LoadPlanner:
         self.max_num_tokens = max_num_tokens
         self.attention_weight = attention_weight
         self.prefill_tps = Ewma()  # work/s (`work`) of prefill forwards past their fixed cost
-        self.prefill_overhead_s = 0.0  # a forward's fixed cost (launches, weight reads)
+        self.prefill_overhead_s = 0.0  # a forward's fixed cost (weight reads)
+        # no eager forward takes less than its launches on the host (a GPU's: ~25 ms for
+        # Llama-8B, past a 1B's work on 1,300 tokens; the GPU's work runs behind them)
+        self.prefill_launch_s = 0.0
         self.load_tps = Ewma()  # tokens/s of loads from the store once their first blocks landed
         self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
         self.host_load_tps = Ewma()  # the same, of loads from the worker's host memory
@@ -125,14 +129,20 @@ class LoadPlanner:
         """The expected time of a forward computing positions [start, start + num_tokens)
         (0 while the prefill rate is unknown)."""
         C = self.prefill_tps.value
-        return self.prefill_overhead_s + self.work(start, num_tokens) / C if C else 0.0
+        return self._forward_seconds(start, num_tokens, C) if C else 0.0
 
-    def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float]) -> None:
+    def _forward_seconds(self, start: int, num_tokens: int, C: float) -> float:
+        work = self.prefill_overhead_s + self.work(start, num_tokens) / C
+        return max(self.prefill_launch_s, work)
+
+    def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float],
+                          launch_s: float = 0.0) -> None:
         """Two forwards of different sizes from position 0, (tokens, seconds) each: the
         prefill rate from their difference and a forward's fixed cost from the rest (a GPU's
-        forward of 512 tokens is mostly fixed cost: one of them alone understates the rate
-        4x)."""
+        forward of 512 tokens is mostly launches: one of them alone understates the rate
+        4x); `launch_s`: a forward's launches on the host (0 where they are its work)."""
         (n1, t1), (n2, t2) = small, large
+        self.prefill_launch_s = min(max(launch_s, 0.0), t2)
         if not (t2 > t1 > 0 and n2 > n1):  # a noisy pair says nothing: keep what is known
             return
         w1, w2 = self.work(0, n1), self.work(0, n2)
@@ -208,7 +218,7 @@ class LoadPlanner:
               latency: float, busy: float = 0.0) -> float:
         """When a front of x of the `remaining` tokens (computed once `busy` seconds of the
         front's earlier forwards are done) and a load of the rest both end."""
-        computed = busy + self.prefill_overhead_s + self.work(front, x) / C if x else busy
+        computed = busy + self._forward_seconds(front, x, C) if x else busy
         return max(computed, latency + (remaining - x) / L)
 
     def front_step(self, front: int, writes_from: int, landed_from: int, end: int,
@@ -251,9 +261,11 @@ class LoadPlanner:
                 and self._ends(front, share + bs, remaining, C, L, latency, busy)
                 < self._ends(front, share, remaining, C, L, latency, busy)):
             share += bs
-        if share < bs or self.work(front, share) < C * self.prefill_overhead_s:  # less than
-            # a forward's fixed cost
-            return FrontStep(0, 0)  # buys: the load lands it, the front waits
+        if (share < bs or self.work(front, share) < C * self.prefill_overhead_s  # less than a
+                # forward's fixed cost buys, or a forward whose launches outlast the load
+                or self._ends(front, share, remaining, C, L, latency, busy)
+                >= self._ends(front, 0, remaining, C, L, latency, busy)):
+            return FrontStep(0, 0)  # the load lands it, the front waits
         # the share in one forward (a GPU's forward has a fixed cost worth not paying twice);
         # the load from where the share ends
         return FrontStep(min(share, self.max_num_tokens), cdiv(front + share, bs))
@@ -319,6 +331,7 @@ class LoadPlanner:
         if all(v is None for v in rates.values()):
             return
         rates["prefill_overhead_s"] = self.prefill_overhead_s
+        rates["prefill_launch_s"] = self.prefill_launch_s
         rates["prefill_unit"] = PREFILL_UNIT
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -343,9 +356,10 @@ class LoadPlanner:
             value = rates.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 getattr(self, name).add(float(value))
-        overhead = rates.get("prefill_overhead_s")
-        if same_unit and isinstance(overhead, (int, float)) and not isinstance(overhead, bool):
-            self.prefill_overhead_s = min(max(float(overhead), 0.0), 1.0)
+        for name in ("prefill_overhead_s", "prefill_launch_s"):  # (seconds: at most 1)
+            value = rates.get(name)
+            if same_unit and isinstance(value, (int, float)) and not isinstance(value, bool):
+                setattr(self, name, min(max(float(value), 0.0), 1.0))
 
     def stats(self) -> dict[str, float]:
         return {key: getattr(self, name).value or 0.0 for name, key in RATES.items()}

@@ -104,21 +104,24 @@ class ModelRunner:
             self._logprobs = compute_logprobs(logits, sampled.tolist(), num_top)
         return sampled
 
-    def time_prefill(self, num_tokens: int) -> float:
-        """Seconds one prefill forward of `num_tokens` tokens takes (run at bring-up: it
-        measures the eager prefill rate and pays the first forward's one-time costs). Its KV
-        goes to the scratch block only."""
+    def time_prefill(self, num_tokens: int) -> tuple[float, float]:
+        """Seconds one eager prefill forward of `num_tokens` tokens takes, and of those the
+        host's launching it (on a GPU; 0 on a CPU, where the launch is the work). Run at
+        bring-up: it measures the prefill rate and pays the first forward's one-time costs.
+        Its KV goes to the scratch block only."""
         probe = Request("shoal-bring-up-prefill", [1] * num_tokens, SamplingParams(max_tokens=1),
                         frozenset())
         scratch = [self.kv_cache.scratch_block] * cdiv(num_tokens, self.block_size)
         batch = ScheduledBatch([ScheduledChunk(probe, 0, num_tokens, probe.prompt_token_ids, 0,
                                                scratch, True, 0)], num_tokens)
         start = time.perf_counter()
-        self.execute(batch, [num_tokens], eager=True).tolist()
+        sampled = self.execute(batch, [num_tokens], eager=True)
+        launch = time.perf_counter() - start if self.device.type == "cuda" else 0.0
+        sampled.tolist()
         seconds = time.perf_counter() - start
         self.forget(probe.request_id)
         self._prev_rows = {}
-        return seconds
+        return seconds, launch
 
     def _of_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list:
         """(request id, position, TokenLogprobs) of the prompt tokens whose predicting row
