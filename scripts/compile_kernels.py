@@ -5,7 +5,7 @@
 The CPU tests run the kernels through Triton's interpreter, which accepts some programs the
 compiler refuses; GPU time is scarce, so this compiles them ahead of time (Triton's own
 ptxas, no driver needed) at the shapes a GPU run uses: the MLA decode kernel with and
-without context splits and their fold, the dense rope, MLA's rope + norm + cache write, the fused MoE's
+without context splits and their fold, the dense rope + KV store, MLA's rope + norm + cache write, the fused MoE's
 router, its two GEMMs and its routing layout; the dense prefill over a split context and
 its fold; structured output's logit mask; the pool's
 GPU checksum (both passes).
@@ -56,9 +56,12 @@ def cases():
     yield "mla combine, 4 splits", mla._mla_combine_kernel, *signature(
         {"part_ptr": "fp32", "stats_ptr": "fp32", "o_ptr": "bf16"}, ["stride_ob", "stride_oh"],
         dict(H=16, HT=16, L=512, SPLITS=4))
-    yield "rope, Llama-3.2-1B's 32 + 8 heads", ops._rope_kernel, *signature(
-        {"qkv_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16"},
-        ["stride_t", "stride_cos", "stride_sin", "num_heads"], dict(HALF=32, HP=64, HALFP=32))
+    yield "rope + KV store, Llama-3.2-1B's 32 + 8 heads", ops._rope_store_kernel, *signature(
+        {"qkv_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16", "kc_ptr": "bf16",
+         "vc_ptr": "bf16", "blocks_ptr": "i32", "offsets_ptr": "i32"},
+        ["stride_t", "stride_cos", "stride_sin", "stride_kb", "stride_kt", "stride_kh",
+         "stride_vb", "stride_vt", "stride_vh", "num_q_heads", "num_kv_heads"],
+        dict(HALF=32, HP=64, HALFP=32, KVP=8, VP=64))
     for heads, interleaved in ((16, True), (128, True), (16, False)):  # V2-Lite, V3 (TP 1)
         sig, consts = signature(
             {"q_ptr": "bf16", "q_rot_ptr": "bf16", "kv_a_ptr": "bf16", "w_ptr": "bf16",

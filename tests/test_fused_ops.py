@@ -78,10 +78,13 @@ def test_silu_mul(dtype, n):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64), (32, 8, 128), (6, 1, 40)])
-def test_rope_in_place_on_the_qkv_rows(dtype, heads):
+def test_rope_and_the_cache_write_in_one_kernel(dtype, heads):
+    """q rotated in place; k rotated and v copied into each token's slot of a strided
+    cache view (a layer of the block-major cache), as apply_rope + store_kv; the k and v
+    heads of qkv and every other slot left as they were."""
     hq, hkv, d = heads
     g = torch.Generator().manual_seed(hq * d)
-    t = 29
+    t, num_blocks, bs, layers = 29, 9, 4, 2
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
     positions = torch.randint(0, 4000, (t,), generator=g).float()
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
@@ -89,15 +92,29 @@ def test_rope_in_place_on_the_qkv_rows(dtype, heads):
     emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-    q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
+    q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    ref_q, ref_k, ref_v = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v.clone()
-    q_in, k_in = q.clone(), k.clone()
-    fused_ops.rope_(qkv, cos, sin, hq, hkv, d)
-    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-    assert_rope_matches(q.reshape(t, hq, d), q_in, cos, sin, ref_q)
-    assert_rope_matches(k.reshape(t, hkv, d), k_in, cos, sin, ref_k)
-    assert torch.equal(v, ref_v)  # the values are left alone
+    ref_q, ref_k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+    q_in, k_in, v_in = q.clone(), k.clone(), v.clone()
+    cache = torch.randn(num_blocks, layers, 2, bs, hkv, d, generator=g).to(DEVICE, dtype)
+    before = cache.clone()
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]  # layer 1's views
+    slots = torch.randperm(num_blocks * bs, generator=g)[:t].to(DEVICE)
+    blocks, offsets = (slots // bs).int(), (slots % bs).int()
+    fused_ops.rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, blocks, offsets)
+    q_out, k_out, v_out = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    assert_rope_matches(q_out.reshape(t, hq, d), q_in, cos, sin, ref_q)
+    assert torch.equal(k_out.reshape(t, hkv, d), k_in)
+    assert torch.equal(v_out.reshape(t, hkv, d), v_in)
+    assert_rope_matches(k_cache[blocks.long(), offsets.long()], k_in, cos, sin, ref_k)
+    assert torch.equal(v_cache[blocks.long(), offsets.long()], v_in)
+    written = torch.zeros(num_blocks, bs, dtype=torch.bool, device=DEVICE)
+    written[blocks.long(), offsets.long()] = True
+    cache[:, 1, :, :][written.unsqueeze(1).expand(-1, 2, -1)] = before[:, 1, :, :][
+        written.unsqueeze(1).expand(-1, 2, -1)]
+    assert torch.equal(cache, before)  # nothing else was touched
+    fused_ops.rope_store(qkv[:0], cos[:0], sin[:0], hq, hkv, d, k_cache, v_cache, blocks[:0],
+                         offsets[:0])  # no tokens: nothing to launch
 
 
 def _rope_bound(ours, x, cos, sin, interleaved, ref):

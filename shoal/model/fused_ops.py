@@ -13,7 +13,9 @@ ulp further off.
     rms_norm(x, w, eps)                 RMSNorm.forward
     add_rms_norm(x, residual, w, eps)   residual + x, then its RMSNorm: both returned
     silu_mul(gate_up)                   F.silu(gate) * up of the halves of gate_up
-    rope_(qkv, cos, sin, ...)           q * cos + rotate_half(q) * sin, k likewise, in place
+    rope_store(qkv, cos, sin, ...)      q * cos + rotate_half(q) * sin in place; k likewise
+                                        and v as it is written into the token's cache slot
+                                        (apply_rope, then the backend's store: store_kv)
     mla_rope_store(q, kv_a, ...)        MLA's step after its projections: the query heads'
                                         rotary parts rotated, the latent's RMSNorm and the
                                         rotated key written into the token's cache slot
@@ -74,22 +76,41 @@ if HAS_TRITON:
         return out1.to(dtype), out2.to(dtype)
 
     @triton.jit
-    def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, stride_t, stride_cos, stride_sin,
-                     num_heads, HALF: tl.constexpr, HP: tl.constexpr, HALFP: tl.constexpr):
-        """Rows of q heads then k heads (contiguous at the start of a qkv row), rotated."""
+    def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, blocks_ptr, offsets_ptr,
+                           stride_t, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh,
+                           stride_vb, stride_vt, stride_vh, num_q_heads, num_kv_heads,
+                           HALF: tl.constexpr, HP: tl.constexpr, HALFP: tl.constexpr,
+                           KVP: tl.constexpr, VP: tl.constexpr):
+        """One token's qkv row: its q heads rotated in place, its k heads rotated and its v
+        heads copied into the token's cache slot (block, offset)."""
         t = tl.program_id(0).to(tl.int64)
-        heads = tl.arange(0, HP)
+        heads = tl.arange(0, HP)  # q heads, then k heads
         j = tl.arange(0, HALFP)
-        mask = (heads[:, None] < num_heads) & (j[None, :] < HALF)
+        jm = j[None, :] < HALF
+        rotated = (heads[:, None] < num_q_heads + num_kv_heads) & jm
         first = qkv_ptr + t * stride_t + heads[:, None] * (2 * HALF) + j[None, :]
-        x1 = tl.load(first, mask=mask, other=0.0)
-        x2 = tl.load(first + HALF, mask=mask, other=0.0)
-        # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves
+        x1 = tl.load(first, mask=rotated, other=0.0)
+        x2 = tl.load(first + HALF, mask=rotated, other=0.0)
         c = tl.load(cos_ptr + t * stride_cos + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + t * stride_sin + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         out1, out2 = _rotate(x1, x2, c, s)
-        tl.store(first, out1, mask=mask)
-        tl.store(first + HALF, out2, mask=mask)
+        is_q = (heads[:, None] < num_q_heads) & jm
+        tl.store(first, out1, mask=is_q)
+        tl.store(first + HALF, out2, mask=is_q)
+        block = tl.load(blocks_ptr + t).to(tl.int64)  # its offset may pass 2**31
+        offset = tl.load(offsets_ptr + t).to(tl.int64)
+        is_k = rotated & (heads[:, None] >= num_q_heads)
+        k_slot = (kc_ptr + block * stride_kb + offset * stride_kt
+                  + (heads[:, None] - num_q_heads) * stride_kh + j[None, :])
+        tl.store(k_slot, out1.to(kc_ptr.dtype.element_ty), mask=is_k)
+        tl.store(k_slot + HALF, out2.to(kc_ptr.dtype.element_ty), mask=is_k)
+        kv = tl.arange(0, KVP)[:, None]  # v heads
+        d = tl.arange(0, VP)[None, :]
+        vm = (kv < num_kv_heads) & (d < 2 * HALF)
+        v = tl.load(qkv_ptr + t * stride_t + (num_q_heads + num_kv_heads + kv) * (2 * HALF) + d,
+                    mask=vm, other=0.0)
+        tl.store(vc_ptr + block * stride_vb + offset * stride_vt + kv * stride_vh + d,
+                 v.to(vc_ptr.dtype.element_ty), mask=vm)
 
     @triton.jit
     def _mla_rope_store_kernel(q_ptr, q_rot_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr,
@@ -174,15 +195,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
-          num_kv_heads: int, head_dim: int) -> None:
-    """Rotate the q and k heads of qkv [T, (Hq + 2 Hkv) * D] in place; cos/sin [T, D]."""
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+               num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """Rotate the q heads of qkv [T, (Hq + 2 Hkv) * D] in place (cos/sin [T, D]), and write
+    each token's rotated k heads and its v heads into its slot (slot_blocks[t],
+    slot_offsets[t]) of k/v_cache [blocks, block_size, Hkv, D], strided views are fine (as
+    store_kv; the k heads of qkv are left as they were): one launch, not two."""
     if qkv.shape[0] == 0:
         return
-    heads, half = num_q_heads + num_kv_heads, head_dim // 2
-    _rope_kernel[(qkv.shape[0],)](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0),
-                                  heads, HALF=half, HP=_next_pow2(heads),
-                                  HALFP=_next_pow2(half))
+    half = head_dim // 2
+    _rope_store_kernel[(qkv.shape[0],)](
+        qkv, cos, sin, k_cache, v_cache, slot_blocks, slot_offsets, qkv.stride(0),
+        cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_q_heads, num_kv_heads,
+        HALF=half, HP=_next_pow2(num_q_heads + num_kv_heads), HALFP=_next_pow2(half),
+        KVP=_next_pow2(num_kv_heads), VP=_next_pow2(head_dim))
 
 
 def mla_rope_store(q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,

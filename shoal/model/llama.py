@@ -82,16 +82,17 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         fused = self.backend.fused and self.q_norm is None
-        if fused:  # q and k rotated in place by one kernel
-            from shoal.model.fused_ops import rope_
-            rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        if fused:  # q rotated in place, k rotated and v written into their slots: one kernel
+            from shoal.model.fused_ops import rope_store
+            rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                       k_cache, v_cache, meta.slot_block_ids, meta.slot_offsets)
         q, k, v = (t.view(num_tokens, n, self.head_dim) for t, n in zip(
             qkv.split(self.split, dim=-1), (self.num_heads, self.num_kv_heads, self.num_kv_heads)))
         if not fused:
             if self.q_norm is not None:  # per head, before RoPE (as transformers' Qwen3)
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.backend.store(k, v, k_cache, v_cache, meta)
+            self.backend.store(k, v, k_cache, v_cache, meta)
         # an ADP padding step (no tokens: this owner has nothing, its peers do) attends nothing
         out = self.backend.attend(q, meta, k_cache, v_cache) if num_tokens else q
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
