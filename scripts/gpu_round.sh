@@ -4,8 +4,8 @@
 #   scripts/gpu_round.sh bench SHAPE ...  shoal bench throughput for random:<shape>s
 #   scripts/gpu_round.sh pool SPEC ...     issue 25's grid: shoal bench ttft for each
 #                                         shape:prefix_tokens:source[:rounds[:block_size]]
-#                                         (source files|tier; 2 rounds, 64-token blocks), a
-#                                         line a point in $OUT/grid.txt
+#                                         (source files|tier; 2 rounds, the bench's block
+#                                         size unless given), a line a point in grid.txt
 #   scripts/gpu_round.sh moe              issue 30's figures: the fused MoE's tiles, the MoE
 #                                         and MLA decode step at batch 64 and 256, and
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
@@ -64,7 +64,7 @@ elif [ "$what" = pool ]; then
     IFS=: read -r shape n source rounds bs <<<"$spec"
     echo "== $spec" >>"$OUT/pool.log"
     python3 -m shoal bench ttft --model "random:$shape" --device cuda --prefix-tokens "$n" \
-      --source "$source" --rounds "${rounds:-2}" --block-size "${bs:-64}" 2>&1 \
+      --source "$source" --rounds "${rounds:-2}" ${bs:+--block-size "$bs"} 2>&1 \
       | tee -a "$OUT/pool.log" | tail -6 | cut -c1-160
     # one line a point: the ratios to the recompute, the decision, the floor
     tail -1 "$OUT/pool.log" | python3 -c 'import json, sys

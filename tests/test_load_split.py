@@ -101,6 +101,17 @@ def test_a_front_whose_launches_outlast_the_load_waits_for_it():
     assert q.prefill_launch_s == 0.0225
 
 
+def test_a_step_that_is_mostly_its_launches_does_not_teach_the_rate():
+    """On a GPU an eager step of a few dozen tokens takes about its launches: its time says
+    nothing of the prefill rate (one such step would halve it); a long step still counts."""
+    p = planner(prefill=220_000.0)
+    p.prefill_launch_s = 0.008
+    p.observe_prefill([(0, 40), (3000, 1), (5000, 1)], 0.0095)
+    assert p.prefill_tps.value == 220_000.0
+    p.observe_prefill([(0, 8192)], 8192 / 160_000)
+    assert p.prefill_tps.value == pytest.approx((220_000 + 160_000) / 2)
+
+
 def test_the_load_s_own_rate_overrides_earlier_loads():
     p = planner(prefill=1000.0, load=1e9)
     # 10 s in, only 16 of 1024 tokens landed: this load is dead slow, compute the rest
@@ -290,8 +301,10 @@ def test_two_forwards_give_the_rate_and_the_fixed_cost():
 
 def test_a_noisy_bring_up_pair_changes_nothing():
     p = planner(prefill=5000.0)
-    p.calibrate_prefill((32, 0.95), (128, 0.25))  # the small forward was the slow one
+    p.prefill_launch_s = 0.01
+    p.calibrate_prefill((32, 0.95), (128, 0.25), launch_s=0.2)  # the small one was slow
     assert p.prefill_tps.value == 5000.0 and p.prefill_overhead_s == 0.0
+    assert p.prefill_launch_s == 0.01
     p.calibrate_prefill((32, 0.10), (128, 0.11))  # the fixed cost is capped at half the large
     assert p.prefill_overhead_s <= 0.055
 

@@ -142,9 +142,9 @@ class LoadPlanner:
         forward of 512 tokens is mostly launches: one of them alone understates the rate
         4x); `launch_s`: a forward's launches on the host (0 where they are its work)."""
         (n1, t1), (n2, t2) = small, large
-        self.prefill_launch_s = min(max(launch_s, 0.0), t2)
         if not (t2 > t1 > 0 and n2 > n1):  # a noisy pair says nothing: keep what is known
             return
+        self.prefill_launch_s = min(max(launch_s, 0.0), t2)
         w1, w2 = self.work(0, n1), self.work(0, n2)
         rate = (w2 - w1) / (t2 - t1)
         # this machine, now: replaces what the last run left (not averaged with it)
@@ -155,7 +155,8 @@ class LoadPlanner:
         """A step that is mostly prefill took `seconds`: its chunks, (start, num_tokens) each
         (decodes too: one token deep in a context is work as well)."""
         busy = seconds - self.prefill_overhead_s
-        if sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS and busy > seconds / 4:
+        if (sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS and busy > seconds / 4
+                and seconds > 2 * self.prefill_launch_s):  # (else mostly its launches)
             self.prefill_tps.add(sum(self.work(s, n) for s, n in chunks) / busy)
 
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,
@@ -247,7 +248,7 @@ class LoadPlanner:
         # the front's share x: they end together, busy + overhead + work(front, x) / C =
         # latency + (R - x) / L (a forward's fixed cost on one side, the load's first-block
         # latency on the other): a2 x^2 + a1 x + a0 = 0, its positive root in a form stable
-        # at a2 = 0
+        # at a2 = 0 (a forward's launches bound it from below: checked on the share found)
         a2 = self.attention_weight / (2 * C)
         a1 = (1 + self.attention_weight * front) / C + 1 / L
         a0 = busy + self.prefill_overhead_s - latency - remaining / L

@@ -91,6 +91,7 @@ if HAS_TRITON:
         first = qkv_ptr + t * stride_t + heads[:, None] * (2 * HALF) + j[None, :]
         x1 = tl.load(first, mask=rotated, other=0.0)
         x2 = tl.load(first + HALF, mask=rotated, other=0.0)
+        # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves
         c = tl.load(cos_ptr + t * stride_cos + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + t * stride_sin + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         out1, out2 = _rotate(x1, x2, c, s)

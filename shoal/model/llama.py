@@ -73,9 +73,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
 
     def warm_up(self, k_cache, v_cache, scratch_block: int) -> None:
-        """Compile the paged kernels now (the Triton backend's bring-up)."""
+        """Compile the paged kernels now (the Triton backend's bring-up), and the fused rope
+        and cache write (a row of zeros into the scratch block)."""
         q = k_cache.new_empty(1, self.num_heads, self.head_dim)
         paged_warm_up(q, k_cache, v_cache, scratch_block)
+        if self.backend.fused and self.q_norm is None:
+            from shoal.model.fused_ops import rope_store
+            qkv, trig = k_cache.new_zeros(1, sum(self.split)), k_cache.new_zeros(1, self.head_dim)
+            at = torch.full((1,), scratch_block, dtype=torch.int32, device=k_cache.device)
+            rope_store(qkv, trig, trig, self.num_heads, self.num_kv_heads, self.head_dim,
+                       k_cache, v_cache, at, at * 0)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         # x [T, hidden]; cos/sin [T, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]
