@@ -28,7 +28,8 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
     t = model_bench("throughput", "tokens/s vs transformers generate, and prefix-hit TTFT",
                     num_prompts=16, max_tokens=128, prompt_len=0, rounds=3)
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    t.add_argument("--enforce-eager", action="store_true", help="CUDA: no captured graphs (decode steps, short prefill chunks)")
+    t.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no captured graphs (decode steps, short prefill chunks)")
     tt = model_bench("ttft", "TTFT of a long prefix from the pool (loaded whole; computed "
                      "from the front while the back loads) vs recomputed (--dp 2: two owners "
                      "sharing the pool; --tp 3: every engine a TP fleet)",

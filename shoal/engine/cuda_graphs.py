@@ -235,7 +235,8 @@ class StepGraphs:
         hidden = self.model(g.ids, g.positions, g.meta, self.kv_cache.layers, None)
         return self.model.compute_logits(hidden if g.decode else hidden.index_select(0, g.samples))
 
-    def _graph_for(self, batch) -> _Graph | None:
+    def graph_for(self, batch) -> _Graph | None:
+        """The graph that replays `batch` (None: it runs eagerly)."""
         chunks = batch.chunks
         if 0 < len(chunks) <= self.max_size and all(c.num_tokens == 1 and c.is_sampling
                                                    for c in chunks):
@@ -246,14 +247,11 @@ class StepGraphs:
                                                if t >= chunks[0].num_tokens)]
         return None
 
-    def can_replay(self, batch) -> bool:
-        return self._graph_for(batch) is not None
-
-    def replay(self, batch, runner, layer_hooks=None) -> torch.Tensor:
-        """Logits [sampled rows, vocab] of a batch `can_replay` took (rows in chunk order);
-        `runner` (the ModelRunner) finds and fills the rows whose token the previous step
-        sampled."""
-        g = self.prepare(batch, runner)
+    def replay(self, g: _Graph, batch, runner, layer_hooks=None) -> torch.Tensor:
+        """Logits [sampled rows, vocab] of `batch` from its graph `g` (`graph_for`; rows in
+        chunk order); `runner` (the ModelRunner) finds and fills the rows whose token the
+        previous step sampled."""
+        self.prepare(g, batch, runner)
         num_layers = len(self.kv_cache.layers)
         if layer_hooks is not None:
             for i in range(num_layers):
@@ -266,11 +264,9 @@ class StepGraphs:
                 layer_hooks.save_kv_layer(i)
         return g.logits[:sum(c.is_sampling for c in batch.chunks)]
 
-    def prepare(self, batch, runner) -> _Graph:
-        """The graph for `batch`, its inputs written and its placeholders filled."""
-        g = self._graph_for(batch)
+    def prepare(self, g: _Graph, batch, runner) -> None:
+        """`batch` written into its graph's inputs, its placeholders filled."""
         k = g.fill(batch.chunks, self.host.take(), self.block_size, runner.placeholders,
                    self.table_rows, self.staging)
         self.host.sent()
         runner.fill_placeholders(g.ids, g.fill_rows[:k], g.sources[:k])
-        return g

@@ -84,10 +84,10 @@ class ModelRunner:
         `eager`: no graph replay."""
         sampling = [c for c in batch.chunks if c.is_sampling]
         with torch.inference_mode():
-            self.replayed = (not eager and self.graphs is not None
-                             and self.graphs.can_replay(batch))
+            graph = None if eager or self.graphs is None else self.graphs.graph_for(batch)
+            self.replayed = graph is not None
             if self.replayed:
-                logits = self.graphs.replay(batch, self, layer_hooks)
+                logits = self.graphs.replay(graph, batch, self, layer_hooks)
             else:
                 input_ids, positions, meta, sample_rows = self._prepare(batch, token_counts)
                 hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)

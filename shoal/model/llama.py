@@ -72,12 +72,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
 
+    @property
+    def fuses_rope_and_store(self) -> bool:
+        """RoPE and the cache write in one kernel (the Triton backend; not with q/k norms,
+        which come between the projection and RoPE)."""
+        return self.backend.fused and self.q_norm is None
+
     def warm_up(self, k_cache, v_cache, scratch_block: int) -> None:
         """Compile the paged kernels now (the Triton backend's bring-up), and the fused rope
         and cache write (a row of zeros into the scratch block)."""
         q = k_cache.new_empty(1, self.num_heads, self.head_dim)
         paged_warm_up(q, k_cache, v_cache, scratch_block)
-        if self.backend.fused and self.q_norm is None:
+        if self.fuses_rope_and_store:
             from shoal.model.fused_ops import rope_store
             qkv, trig = k_cache.new_zeros(1, sum(self.split)), k_cache.new_zeros(1, self.head_dim)
             at = torch.full((1,), scratch_block, dtype=torch.int32, device=k_cache.device)
@@ -88,7 +94,7 @@ class Attention(nn.Module):
         # x [T, hidden]; cos/sin [T, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        fused = self.backend.fused and self.q_norm is None
+        fused = self.fuses_rope_and_store
         if fused:  # q rotated in place, k rotated and v written into their slots: one kernel
             from shoal.model.fused_ops import rope_store
             rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,

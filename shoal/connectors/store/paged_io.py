@@ -156,7 +156,7 @@ class PagedMover:
                     else:
                         tier.publish(page, slot, keys[i])
             rows = [(w, b) for w, b in zip(where, block_ids) if w is not None]
-            if misses and self.is_cuda and LAUNCH_WAIT_S > 0:
+            if misses and self.is_cuda:
                 self._not_launching.wait(LAUNCH_WAIT_S)
             checks = []  # (place among rows, checksum) of the rows read from files
             if to_check:
