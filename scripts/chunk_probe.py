@@ -1,5 +1,5 @@
 """The forward of a short chunk over a long cached context (a prompt's rest after a pool
-hit), on the GPU: the prefill kernel alone with its context in 1 part or split, then an
+hit), on the GPU (the prefill kernel alone, by parts: scripts/parts_probe.py): an
 engine's TTFT for the last 64 tokens of a prompt whose first 8128 tokens are cached
 (prefix caching, no pool), eager and from a captured prefill graph, with each step's
 wall time on the executing thread (PROFILE=1: the step's top CUDA kernels).
@@ -15,40 +15,11 @@ import torch
 from shoal import LLM
 from shoal.bench.ttft import ONE, _prompt
 from shoal.engine.model_runner import ModelRunner
-from shoal.model import paged_attention as pa
 from shoal.util import cdiv
 
 model = sys.argv[1] if len(sys.argv) > 1 else "random:llama-8b"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 dev = torch.device(os.environ.get("DEVICE", "cuda"))
-
-
-def kernel(ctx: int, new: int, parts: int | None, hq=32, hkv=8, d=128, bs=64) -> float:
-    blocks = cdiv(ctx, bs)
-    k = torch.randn(blocks, bs, hkv, d, dtype=torch.bfloat16, device=dev)
-    v = torch.randn_like(k)
-    q = torch.randn(new, hq, d, dtype=torch.bfloat16, device=dev)
-    table = torch.randperm(blocks, device=dev).to(torch.int32)[None]
-    i32 = lambda x: torch.tensor([x], dtype=torch.int32, device=dev)  # noqa: E731
-    args = (q, k, v, table, i32(0), i32(new), i32(ctx), new)
-    ref = pa.paged_prefill(*args, parts=1)
-    out = pa.paged_prefill(*args, parts=parts)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        pa.paged_prefill(*args, parts=parts)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / 20, err
-
-
-for ctx, new in () if dev.type != "cuda" else ((8192, 64), (8192, 1), (32768, 64), (8192, 512), (4096, 4096)):
-    one, _ = kernel(ctx, new, 1)
-    auto_parts = pa.prefill_parts(dev, cdiv(new, 64) * 32, ctx)
-    split, err = kernel(ctx, new, None)
-    print(f"prefill kernel, {new} new over {ctx}: 1 part {one * 1e3:.3f} ms, "
-          f"{auto_parts} parts {split * 1e3:.3f} ms (rel. diff {err:.1e})")
-
 kw = dict(device=dev.type, block_size=64, max_num_tokens=max(n, 2048), max_batch_size=1,
           num_kv_blocks=cdiv(n, 64) * 2 + 64)
 execute = ModelRunner.execute

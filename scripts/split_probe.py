@@ -17,18 +17,23 @@ engine teaches the rates (kept for the next engine), then the traced engine's hi
 request (same salt) hits the blocks its host tier kept. Also traced: the pool lookup, the
 start of loads, the polls that report loads finished, each forward.
 """
+import gc
 import os
 import sys
 import time
+
+import torch
 
 from shoal import LLM
 from shoal.bench.ttft import ONE, _prompt, bench_pool
 from shoal.connectors.store import paged_io
 from shoal.connectors.store.worker import StoreWorker
+from shoal.engine.cuda_graphs import StepGraphs
 from shoal.engine.engine import Engine
 from shoal.connectors.store.scheduler import StoreScheduler
 from shoal.engine.load_split import LoadPlanner
 from shoal.engine.model_runner import ModelRunner
+from shoal.sampling import Sampler
 from shoal.util import cdiv
 
 model, n = sys.argv[1], int(sys.argv[2])
@@ -66,8 +71,53 @@ trace(StoreWorker, "start_load_kv", lambda w, a, out: f"{len(m.loads)} blocks"
       if (m := w.get_connector_meta()) and m.loads else None)
 trace(StoreWorker, "get_finished", lambda w, a, out: f"loads done {sorted(out[1])}"
       if out[1] else None)
-trace(ModelRunner, "execute", lambda r, a, out: f"forward of {a[0].num_tokens} tokens "
-      "(launched)")
+gpu_spans: list[tuple[int, object, object]] = []  # (index in events, start, end) of forwards
+
+
+def traced_execute(original):
+    def execute(self, *args, **kwargs):
+        if not (tracing and torch.cuda.is_available()):
+            return original(self, *args, **kwargs)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        start = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        end.record()
+        events.append((start, f"execute: forward of {args[0].num_tokens} tokens launched in "
+                              f"{(time.perf_counter() - start) * 1e3:.1f} ms"))
+        gpu_spans.append((len(events) - 1, begin, end))
+        return out
+    return execute
+
+
+ModelRunner.execute = traced_execute(ModelRunner.execute)
+# the tail's host time after a load (1.1-2.2 ms on an H100 where chunk_probe's replay took
+# 0.3 ms): its pieces, and any collection the garbage collector ran meanwhile
+trace(StepGraphs, "prepare", lambda g, a, out: f"graph inputs of {a[1].num_tokens} tokens")
+trace(Sampler, "sample_on_device", lambda s, a, out: f"{a[0].shape[0]} rows")
+gc_started: list[float] = []
+
+
+def on_gc(phase, info):
+    if not tracing:
+        return
+    if phase == "start":
+        gc_started.append(time.perf_counter())
+    elif gc_started:
+        start = gc_started.pop()
+        events.append((start, f"gc of generation {info['generation']} "
+                              f"({(time.perf_counter() - start) * 1e3:.1f} ms)"))
+
+
+gc.callbacks.append(on_gc)
+if os.environ.get("EXTRA_TRACE"):  # the engine's own steps before the load starts
+    from shoal.engine.scheduler import Scheduler
+    from shoal.engine.transfers import KVTransfers
+    trace(Engine, "add", lambda e, a, out: "add")
+    trace(Scheduler, "schedule", lambda s, a, out: "schedule")
+    trace(KVTransfers, "admit", lambda t, a, out: "transfers.admit")
+    trace(KVTransfers, "match", lambda t, a, out: "transfers.match")
+    trace(Engine, "_execute", lambda e, a, out: "engine._execute")
 forwards_seen: dict[int, int] = {}
 
 
@@ -107,5 +157,11 @@ with bench_pool(None, **options) as connector:
             out = llm.generate([prompt], ONE, cache_salt=salt)[0]
             tracing = False
             print(f"== {name}: TTFT {out.metrics.ttft_s:.4f} s, hit {out.pool_hit}")
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            for i, begin, end in gpu_spans:  # the GPU's time from launch start to its end
+                t, what = events[i]
+                events[i] = (t, f"{what}, on the GPU {begin.elapsed_time(end):.1f} ms "
+                                f"from its launch")
+            gpu_spans.clear()
             for t, what in sorted(events):
                 print(f"  {(t - t0) * 1e3:8.1f} ms  {what}")

@@ -171,6 +171,43 @@ def test_blocks_a_load_brought_are_looked_up_once(tiny_model, workload, baseline
     assert [looked.get(pf.block_path_str(str(pool), k)) for k in keys[:10]] == [1] * 10
 
 
+def test_blocks_found_in_the_pool_are_not_looked_up_again_for_a_while(
+        tiny_model, workload, tmp_path, monkeypatch):
+    """Deciding what to save looks a completed block up in the pool once: a key found there
+    or saved is not looked up again for RECHECK_SECONDS (each 8k-token local prefix hit
+    looked up its 512 files again, ~2 ms). Blocks never saved are looked up and saved: a chat's next
+    turn saves the blocks of the last turn's answer, which its prompt now holds."""
+    from shoal.connectors.store import scheduler as store_scheduler
+
+    pool = tmp_path / "pool"
+    turn1 = workload[1]  # 46 tokens: 11 full blocks
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
+        answer = llm.generate([turn1], SP)[0].token_ids  # saves blocks 0-10
+        turn2 = turn1 + answer + random_prompts(512, [8], seed=9)[0]  # 64 tokens: 16 blocks
+        keys: list[bytes] = []
+        extend_block_keys(keys, turn2, 4,
+                          request_seed(bytes.fromhex(llm.engine.info.namespace), None))
+        paths = [pf.block_path_str(str(pool), k) for k in keys]
+        assert not any(Path(p).is_file() for p in paths[11:])
+        looked = count_lookups(monkeypatch)
+        out = llm.generate([turn2], SP)[0]  # a local hit of 13 blocks (46 + 9 tokens)
+        assert out.num_local_prefix_tokens == 52
+        assert not any(looked.get(p) for p in paths[:11])  # saved a moment ago
+        assert all(looked.get(p) for p in paths[11:16])  # new: looked up, once, and saved,
+        assert all(Path(p).is_file() for p in paths[:16])  # the answer's blocks too
+        looked.clear()
+        again = llm.generate([turn2[:-4] + [5, 6, 7, 8]], SP)[0]  # 15 blocks local
+        assert again.num_local_prefix_tokens == 60
+        assert not any(looked.get(p) for p in paths[:15])  # found or saved a moment ago
+        monkeypatch.setattr(store_scheduler, "RECHECK_SECONDS", 0.0)
+        later = llm.generate([turn2[:-4] + [9, 9, 9, 9]], SP)[0]
+        assert all(looked.get(p) for p in paths[:15])  # looked up again once it is old
+        llm.check_integrity()
+    with LLM(tiny_model, **KW) as llm:  # no pool: the same tokens
+        assert [o.token_ids for o in (out, again, later)] == [o.token_ids for o in llm.generate(
+            [turn2, turn2[:-4] + [5, 6, 7, 8], turn2[:-4] + [9, 9, 9, 9]], SP)]
+
+
 def test_a_long_hit_is_found_with_a_few_lookups_and_a_hole_in_it_is_recomputed(
         tiny_model, tmp_path, monkeypatch):
     """A request's run of 64 pool blocks: admission finds it with a binary search (the pool

@@ -259,6 +259,48 @@ def test_saves_and_loads_through_the_tier_move_the_exact_bytes(tmp_path, device)
     fresh.shutdown()
 
 
+def test_block_runs_join_consecutive_slots_going_to_consecutive_blocks():
+    from shoal.connectors.store.paged_io import _runs
+
+    # listed last block first, as loads are; slot 3 goes elsewhere; page 1 starts anew
+    where = [(1, 0), (0, 3), (0, 2), (0, 1), (0, 0)]
+    assert _runs(sorted(zip(where, [20, 9, 12, 11, 10]))) == [(0, 0, 10, 3), (0, 3, 9, 1),
+                                                               (1, 0, 20, 1)]
+    assert _runs(sorted(zip([(0, 1), (0, 0)], [5, 4]))) == [(0, 0, 4, 2)]
+    assert _runs([]) == []
+    # in staging order (targets 0, 1, ...): runs of consecutive slots as they come
+    assert _runs(zip([(0, 2), (0, 3), (0, 0), (1, 1)], range(4))) == [
+        (0, 2, 0, 2), (0, 0, 2, 1), (1, 1, 3, 1)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_the_tier_holds_whole_goes_straight_into_its_blocks(tmp_path, device, monkeypatch):
+    """Listed last block first, into two runs of consecutive blocks: the exact bytes land,
+    nothing is staged or read, and no page stays held. Into scattered blocks (a run each)
+    the load goes through the staging path instead: the same bytes."""
+    from shoal.connectors.store import paged_io
+
+    n = 24
+    worker, kv, keys, original = saved_blocks(tmp_path, device, n)
+    staged = []
+    copy_in = paged_io.PagedMover._copy_in
+    monkeypatch.setattr(paged_io.PagedMover, "_copy_in",
+                        lambda self, *a: staged.append(1) or copy_in(self, *a))
+    for targets, through_staging in (([*range(32, 44), *range(50, 62)], False),
+                                     ([*range(62, 38, -1)], True)):  # 24 runs of one
+        loads = [BlockTransfer("l", i, b, keys[i]) for i, b in zip(range(n), targets)][::-1]
+        kv[32:].zero_()
+        staged.clear()
+        transfer(worker, FsPoolMeta(loads=loads), "l", saving=False)
+        assert torch.equal(kv[targets], original)
+        assert bool(staged) == through_staging and worker.get_failed_loads() == {}
+        assert worker.tier.num_held_pages == 0
+    stats = worker.stats()
+    assert stats["host_tier_hit_blocks"] == 2 * n and stats["blocks_loaded"] == 2 * n
+    worker.tier.check_integrity()
+    worker.shutdown()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_load_part_in_the_tier_part_in_files(tmp_path, device):
     """The blocks the tier holds move in one task, the others are read by every I/O

@@ -287,11 +287,12 @@ def test_the_two_backends_agree_on_the_same_inputs(step, heads):
 
 
 def test_a_context_is_split_only_where_the_programs_leave_the_gpu_idle(monkeypatch):
-    """prefill_parts: about twice the SMs' worth of programs, parts of at least PART_KEYS
-    keys, at most MAX_PARTS; one part on a CPU."""
+    """prefill_parts: about PROGRAMS_PER_SM times the SMs' worth of programs, parts of at
+    least PART_KEYS keys, at most MAX_PARTS; one part on a CPU."""
     monkeypatch.setattr(pa, "_sm_count", lambda index: 132)  # an H100's
     gpu = torch.device("cuda", 0)
-    assert pa.prefill_parts(gpu, 32, 8192) == 9  # 64 tokens of Llama-8B over 8k: 32 programs
+    assert pa.prefill_parts(gpu, 32, 8192) == 16  # 64 tokens of Llama-8B over 8k: 32 programs
+    assert pa.prefill_parts(gpu, 128, 8192) == 5  # 256 tokens: 4 tiles x 32 heads
     assert pa.prefill_parts(gpu, 32, 600) == 1  # too short a context to cut
     assert pa.prefill_parts(gpu, 2, 1 << 20) == pa.MAX_PARTS
     assert pa.prefill_parts(gpu, 4096, 8192) == 1  # a long chunk fills the GPU already

@@ -66,3 +66,18 @@ def test_the_front_is_busy_only_while_its_chunks_are_in_flight():
     assert p.front_busy(now) == pytest.approx(5.0)
     p.front_in_flight = 0  # both steps applied (front_applied)
     assert p.front_busy(now) == 0.0
+
+
+def test_the_front_computes_what_was_dropped_from_the_load_even_when_told_to_wait():
+    """Blocks dropped from the load (below dropped_to) are the front's: a planner step that
+    says wait (0 tokens: the load would end the hit soon enough) still leaves them to it,
+    up to the first block a copy may still write; blocks landed above are not recomputed."""
+    p = load()  # blocks 0-9 (40 tokens), nothing dropped yet: the front waits
+    assert p.front_limit(0, 0, BS) == 0
+    p.dropped_to, p.writes_from = 4, 6  # 0-3 dropped; 4-5 landed while being dropped
+    assert p.front_limit(0, 0, BS) == 16 and p.front_limit(0, 8, BS) == 8
+    assert p.front_limit(20, 0, BS) == 20  # a larger share, up to writes_from
+    assert p.front_limit(100, 0, BS) == 24
+    p.writes_from = 2  # a copy still writes block 2: the front stops below it
+    assert p.front_limit(0, 0, BS) == 8
+

@@ -50,8 +50,10 @@ class PendingLoad:
         return self.end_token // block_size
 
     def front_limit(self, num_tokens: int, front: int, block_size: int) -> int:
-        """At most `num_tokens` for the front at token `front`, below every block the load
-        may still write."""
+        """`num_tokens` for the front at token `front`, but at least the blocks dropped from
+        the load already (no copy writes them, whatever the planner's step says) and below
+        every block the load may still write."""
+        num_tokens = max(num_tokens, self.dropped_to * block_size - front)
         return max(min(num_tokens, self.writes_from * block_size - front), 0)
 
     def schedule_front(self, seconds: float) -> None:

@@ -94,8 +94,13 @@ class HostTier:
     def contains(self, keys: list[bytes]) -> list[bool]:
         """Whether each key is held here now (nothing is held for the caller: a page may be
         emptied before the caller's `find`)."""
+        return [where is not None for where in self.locate(keys)]
+
+    def locate(self, keys: list[bytes]) -> list[tuple[int, int] | None]:
+        """(page, slot) of each key held here now, or None: as `find`, but nothing is held
+        (or counted as a hit) for the caller."""
         with self._cond:
-            return [key in self._where for key in keys]
+            return [self._where.get(key) for key in keys]
 
     def publish(self, page: int, slot: int, key: bytes) -> None:
         """The slot holds `key`'s verified bytes (the caller holds the page)."""

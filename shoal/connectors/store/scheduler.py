@@ -5,7 +5,10 @@ longest run of consecutive pool hits after its local prefix hit, looked up in on
 to the store (one pipelined round trip for a network store), and is planned last block
 first (SPEC 3.1); `drop_loads` takes the blocks the engine computes itself off the plan.
 A block is saved by the step that completes it, unless the pool has it already: one
-lookup per step for every block completed in it. The keys this side sent to the worker
+lookup per step for every block completed in it, but none for a key found or saved in
+the last RECHECK_SECONDS (each 8k-token local prefix hit looked up its 512 files again:
+~2 ms of the engine thread, CPU; a key trimmed from the store meanwhile, or whose save
+failed, is saved again once that has passed). The keys this side sent to the worker
 (loads and saves) are remembered, newest last, as many as the worker's host tier holds:
 what the tier probably has (`get_num_matched_host_tokens`, which the engine's split
 weighs). Under TP each rank's worker stores its shard under `shard_key(key, rank,
@@ -16,6 +19,8 @@ store, and saves it if any is missing.
 from __future__ import annotations
 
 import abc
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -23,6 +28,9 @@ from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KvConnecto
                                    RequestView, SchedulerOutput)
 from shoal.connectors.store.base import BlockStore, PoolOptions
 from shoal.kv.block_keys import shard_key
+
+KNOWN_KEYS = 1 << 16  # keys remembered as found in the store (the newest)
+RECHECK_SECONDS = 60.0  # a key found in the store or saved is not looked up for this long
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class StoreScheduler(KvConnectorScheduler):
         self._in_host: OrderedDict[bytes, None] = OrderedDict()
         self._host_capacity = opts.host_tier_bytes // ctx.block_nbytes if ctx.block_nbytes else 0
         self._host_matched: dict[str, int] = {}  # rid -> of its last match, blocks in the tier
+        self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> when found or saved
 
     @classmethod
     @abc.abstractmethod
@@ -96,6 +105,7 @@ class StoreScheduler(KvConnectorScheduler):
             self._host_matched.pop(request.request_id, None)
             return 0, False
         self._matched[request.request_id] = (first, hits)
+        self._know(request.block_keys[first:first + hits])
         self._host_matched[request.request_id] = sum(
             k in self._in_host for k in request.block_keys[first:first + hits])
         return hits * bs, self.is_async
@@ -148,6 +158,7 @@ class StoreScheduler(KvConnectorScheduler):
             self._requests[rd.request_id].block_ids.extend(rd.new_block_ids)
         candidates = self._completed_blocks(scheduler_output)
         found = self._in_pool([key for _, _, key in candidates])
+        self._know([key for _, _, key in candidates])  # found, or saved from this step on
         for (rid, i, key), in_pool in zip(candidates, found):
             if in_pool or key in self._saving_keys:  # (the same block twice in one step)
                 continue
@@ -165,7 +176,7 @@ class StoreScheduler(KvConnectorScheduler):
         """(request id, block index, key) of the blocks this step completes that may have
         to be saved; each block of a request is considered once."""
         bs = self.ctx.block_size
-        out = []
+        out, now = [], time.monotonic()
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
             st = self._requests[rd.request_id]
             computed = rd.computed_position // bs
@@ -175,12 +186,23 @@ class StoreScheduler(KvConnectorScheduler):
                 # a block of the hit that was loaded before this step's chunk, or that the
                 # engine computes instead of loading it, is in the pool: no need to look it
                 # up again (a block the load failed is first checked in the step that
-                # recomputes it: looked up, saved)
-                if not (i in st.loading and (i < computed or i < st.dropped_to)
-                        or rd.block_keys[i] in self._saving_keys):
-                    out.append((rd.request_id, i, rd.block_keys[i]))
+                # recomputes it: looked up, saved); nor one outside it found or saved lately
+                key = rd.block_keys[i]
+                if not ((i < computed or i < st.dropped_to) if i in st.loading else
+                        now - self._known.get(key, -math.inf) < RECHECK_SECONDS
+                        ) and key not in self._saving_keys:
+                    out.append((rd.request_id, i, key))
             st.num_checked = max(st.num_checked, full)
         return out
+
+    def _know(self, keys: list[bytes]) -> None:
+        """Keys just found in the store or saved (the oldest beyond KNOWN_KEYS are forgotten)."""
+        now = time.monotonic()
+        for key in keys:
+            self._known[key] = now
+            self._known.move_to_end(key)
+        while len(self._known) > KNOWN_KEYS:
+            self._known.popitem(last=False)
 
     def _in_pool(self, keys: list[bytes], stop_at_miss: bool = False) -> list[bool]:
         """Whether every shard of each block is in the store (one call for all of them)."""
