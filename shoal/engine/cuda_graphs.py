@@ -1,18 +1,14 @@
-"""A step's inputs in one copy, and CUDA graphs for decode steps and short prefill chunks.
-
-`StepInputs`: a step's integer arrays (token ids, positions, KV slots, the paged kernels'
-tables) are written into one pinned host buffer and sent with one non-blocking copy; the
-model reads device views of it. Steps are launched before the previous one finished, so
-the host buffers alternate (`HostBuffers`): one is rewritten only once its last copy ran.
+"""CUDA graphs for decode steps and short prefill chunks.
 
 `StepGraphs`: a step whose chunks are all one-token decodes (the steady state) replays
 a graph captured at start-up for the smallest batch size on a ladder that holds it; a step
 of one request's short chunk (up to 512 tokens: launch-bound on a GPU) replays one
 captured for the smallest chunk length that holds it. A graph's inputs live in one device
 buffer; padded rows write their KV to a scratch block no request owns, attend to nothing
-and are never sampled. Block tables are kept from
-step to step (`TableRows`: a request's row is written once, then only its new blocks); the
-graph gathers its rows of them as its first op. Connector layer hooks
+and are never sampled. A replay's inputs are the eager forward's (`StepRows`,
+shoal.engine.step_inputs), copied into the graph's padded layout. Block tables are kept
+from step to step (`TableRows`: a request's row is written once, then only its new
+blocks); the graph gathers its rows of them as its first op. Connector layer hooks
 cannot run inside a replay: they are called for every layer before (loads waited for) and
 after it (saves enqueued), which the contract allows. One rank only (no collectives in a
 captured graph).
@@ -23,79 +19,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shoal.engine.step_inputs import ALIGN, HostBuffers, StepRows
 from shoal.engine.table_rows import TableRows
 from shoal.util import cdiv
 from shoal.model.llama import AttentionMetadata, PagedInputs
 from shoal.model.paged_attention import PREFILL_TILE, prefill_parts
 
-ALIGN = 16  # int32 elements: 64 bytes
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 PREFILL_LADDER = (16, 32, 64, 128, 256, 512)  # one request's chunk: tokens
-
-
-class HostBuffers:
-    """Two int32 host buffers (pinned for a GPU) used in turn for host-to-device copies:
-    `take()` returns the next one once the copy last sent from it has run; `sent()` marks
-    the copy from it just queued."""
-
-    def __init__(self, size: int, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.size = size
-        self._buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
-                         for _ in range(2)]
-        # an event not yet recorded counts as done: synchronize() returns at once
-        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
-        self._turn = 0
-
-    def take(self) -> torch.Tensor:
-        self._turn ^= 1
-        if self._events is not None:
-            self._events[self._turn].synchronize()
-        return self._buffers[self._turn]
-
-    def sent(self) -> None:
-        if self._events is not None:
-            self._events[self._turn].record()
-
-
-class StepInputs:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._host = HostBuffers(0, device)
-        self._dev = torch.empty(0, dtype=torch.int32, device=device)
-
-    def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Device int32 views of `arrays` (1-D or 2-D), sent in one copy. Each view starts
-        on a 64-byte boundary: Triton specializes a kernel on its pointers' alignment, and a
-        view at a step-dependent offset would compile new variants mid-request."""
-        starts, total = [], 0
-        for a in arrays:
-            starts.append(total)
-            total += cdiv(a.size, ALIGN) * ALIGN
-        if total > self._host.size:
-            size = max(total, 2 * self._host.size, 1 << 16)
-            if self._host.cuda:  # the old buffers' last copies
-                torch.cuda.synchronize(self.device)
-            self._host = HostBuffers(size, self.device)
-            self._dev = torch.empty(size, dtype=torch.int32, device=self.device)
-        pinned = self._host.take()
-        host = pinned.numpy()
-        for a, start in zip(arrays, starts):
-            host[start:start + a.size] = a.reshape(-1)
-        self._dev[:total].copy_(pinned[:total], non_blocking=True)
-        self._host.sent()
-        return [self._dev[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
-
-
-def chunk_rows(chunk, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A chunk's rows of the step: (token ids, its placeholders as 0; positions; the block
-    holding each position's KV slot)."""
-    end = chunk.start + chunk.num_tokens
-    pos = np.arange(chunk.start, end, dtype=np.int32)
-    first = chunk.start // block_size  # the chunk's own blocks only
-    blocks = np.asarray(chunk.block_ids[first:cdiv(end, block_size)], dtype=np.int32)
-    ids = np.asarray(chunk.token_ids + [0] * chunk.num_placeholders, np.int32)
-    return ids, pos, blocks[pos // block_size - first]
 
 
 class _Graph:
@@ -136,45 +67,38 @@ class _Graph:
     def host_size(self, width: int) -> int:
         return self._starts[-1] + 2 * self.seqs * width
 
-    def fill(self, chunks, pinned: torch.Tensor, block_size: int, placeholders,
-             table_rows: TableRows, staging: torch.Tensor) -> int:
-        """Write a batch this graph holds through `pinned` (a host buffer of host_size) into
-        the graph's input buffers, and the blocks its requests added into `table_rows`
-        (through `staging`, a device buffer as large). Returns the number of placeholder
-        rows (`fill_rows[:k]`, to be filled from `sources[:k]` on the device)."""
-        t, s, bs = self.size, self.seqs, block_size
+    def fill(self, rows: StepRows, pinned: torch.Tensor, table_rows: TableRows,
+             staging: torch.Tensor) -> int:
+        """Write a batch's arrays (`rows`; a batch this graph holds) through `pinned` (a host
+        buffer of host_size) into the graph's input buffers, and the blocks its requests
+        added into `table_rows` (through `staging`, a device buffer as large). Returns the
+        number of placeholder rows (`fill_rows[:k]`, to be filled from `sources[:k]` on the
+        device)."""
+        t, s = self.size, self.seqs
         host = pinned.numpy()
-        (ids, pos, blocks, offsets, starts, query_lens, ctxs, rows, samples, fill_rows,
+        (ids, pos, blocks, offsets, starts, query_lens, ctxs, table, samples, fill_rows,
          sources) = self._vectors(host)
-        if self.decode:  # a row per request, each one position deep
-            n = len(chunks)
-            pos[:n] = [c.start for c in chunks]
-            ids[:n] = [c.token_ids[0] if c.token_ids else 0 for c in chunks]
-            blocks[:n] = [c.block_ids[c.start // bs] for c in chunks]
+        n, c = rows.ids.size, rows.lens.size  # real rows and sequences; the rest is padding
+        assert n <= t and c <= s, f"{n} rows, {c} sequences in a graph of {t}, {s}"
+        # padded rows write the scratch block (through any table row) and attend to nothing
+        # (the host buffer is shared by every graph: stale otherwise)
+        for vector, real, pad in ((ids, rows.ids, 0), (pos, rows.positions, 0),
+                                  (blocks, rows.slot_blocks, self.scratch_block),
+                                  (offsets, rows.slot_offsets, 0), (ctxs, rows.ctxs, 0),
+                                  (table, rows.table_rows, 0)):
+            vector[:real.size], vector[real.size:] = real, pad
+        if self.decode:  # a row per request, each one position deep (every one sampled)
             starts[:] = samples[:] = np.arange(s, dtype=np.int32)
             query_lens[:] = 1
-            np.add(pos[:n], 1, out=ctxs[:n])
-            ctxs[n:] = 0  # padded rows attend to nothing
         else:  # one chunk, then the padding rows as a request with no context
-            (chunk,) = chunks
-            n = chunk.num_tokens
-            ids[:n], pos[:n], blocks[:n] = chunk_rows(chunk, bs)
             starts[:], query_lens[:] = (0, n), (n, t - n)
-            ctxs[:] = chunk.start + n, 0
             samples[:] = n - 1
-        np.remainder(pos[:n], bs, out=offsets[:n])
-        rows[:len(chunks)], indices, values = table_rows.place(chunks, bs)
-        # padded rows (the host buffer is shared by every graph: stale otherwise): write
-        # the scratch block (through any table row)
-        for vector, value in ((ids, 0), (pos, 0), (blocks, self.scratch_block), (offsets, 0)):
-            vector[n:] = value
-        rows[len(chunks):] = 0
-        sampled_rows, srcs = placeholders(chunks)
-        k = len(sampled_rows)
-        fill_rows[:k], sources[:k] = sampled_rows, srcs
+        k = rows.fill_rows.size
+        fill_rows[:k], sources[:k] = rows.fill_rows, rows.sources
         # what travels: the vectors, and the table entries the step's requests added
-        vectors, m = self._starts[-1], len(indices)
-        host[vectors:vectors + m], host[vectors + m:vectors + 2 * m] = indices, values
+        vectors, m = self._starts[-1], rows.table_indices.size
+        host[vectors:vectors + m] = rows.table_indices
+        host[vectors + m:vectors + 2 * m] = rows.table_values
         self.buffer.copy_(pinned[:vectors], non_blocking=True)
         if m:
             staging[:2 * m].copy_(pinned[vectors:vectors + 2 * m], non_blocking=True)
@@ -266,7 +190,6 @@ class StepGraphs:
 
     def prepare(self, g: _Graph, batch, runner) -> None:
         """`batch` written into its graph's inputs, its placeholders filled."""
-        k = g.fill(batch.chunks, self.host.take(), self.block_size, runner.placeholders,
-                   self.table_rows, self.staging)
+        k = g.fill(runner.rows(batch), self.host.take(), self.table_rows, self.staging)
         self.host.sent()
         runner.fill_placeholders(g.ids, g.fill_rows[:k], g.sources[:k])

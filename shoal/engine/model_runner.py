@@ -9,8 +9,9 @@ chunk's trailing placeholder (overlap loop: the token the previous step samples)
 there from the previous step's samples, never from the host.
 
 One input layout for every attention backend (shoal.model.attention_backend, chosen when
-the model is built): ids, positions, KV slots, and per request its rows, lengths and
-block-table row (`PagedInputs`), sent in one copy; the torch backend (gather + SDPA) and
+the model is built) and every path: ids, positions, KV slots, and per request its rows,
+lengths and block-table row (`StepRows`, built in one place; `PagedInputs` on the device),
+sent in one copy or copied into a CUDA graph's inputs; the torch backend (gather + SDPA) and
 the Triton kernels read the same. With the kernels, single-token decode steps and one
 request's short chunk replay CUDA graphs unless `enforce_eager` (both:
 shoal.engine.cuda_graphs).
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
-from shoal.engine.cuda_graphs import StepGraphs, StepInputs, chunk_rows
+from shoal.engine.cuda_graphs import StepGraphs
+from shoal.engine.step_inputs import StepInputs, StepRows
 from shoal.engine.scheduler import ScheduledBatch, ScheduledChunk
 from shoal.engine.table_rows import TableRows
 from shoal.kv.kv_cache import KVCache
@@ -175,19 +176,9 @@ class ModelRunner:
         self.sampler.forget(request_id)
         self.table_rows.release(request_id)
 
-    def placeholders(self, chunks) -> tuple[list[int], list[int]]:
-        """(rows, sources): the batch rows of the chunks' placeholder tokens (a chunk's last
-        row) and those tokens' rows in the previous step's samples. In the overlap loop a
-        chunk's placeholder is always the previous step's sample of its request."""
-        rows, sources, row = [], [], 0
-        prev = self._prev_rows
-        for chunk in chunks:
-            row += chunk.num_tokens
-            if chunk.num_placeholders:
-                assert chunk.num_placeholders == 1, f"{chunk.num_placeholders} placeholders"
-                rows.append(row - 1)
-                sources.append(prev[chunk.request.request_id])
-        return rows, sources
+    def rows(self, batch: ScheduledBatch) -> StepRows:
+        """The step's host arrays (every path's); places its requests' block-table rows."""
+        return StepRows.of(batch.chunks, self.block_size, self._prev_rows, self.table_rows)
 
     def fill_placeholders(self, input_ids: torch.Tensor, rows: torch.Tensor,
                           sources: torch.Tensor) -> None:
@@ -199,37 +190,18 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
         """The step's inputs, for every backend, in one copy (`StepInputs`); the block table
         gathered from the rows kept across steps."""
-        bs = self.block_size
-        ids, positions, slot_blocks, starts, lens, ctxs, sample_rows = [], [], [], [], [], [], []
-        row = 0
-        for chunk in batch.chunks:
-            for out, array in zip((ids, positions, slot_blocks), chunk_rows(chunk, bs)):
-                out.append(array)
-            starts.append(row)
-            lens.append(chunk.num_tokens)
-            ctxs.append(chunk.start + chunk.num_tokens)
-            row += chunk.num_tokens
-            if chunk.is_sampling:
-                sample_rows.append(row - 1)
-        pos = np.concatenate(positions) if positions else np.zeros(0, np.int32)
-        fill_rows, sources = self.placeholders(batch.chunks)
-        table_rows, indices, values = self.table_rows.place(batch.chunks, bs)
-        (input_ids, positions_d, slot_block_ids, slot_offsets, starts_d, lens_d, ctx_d,
-         table_rows_d, indices_d, values_d, rows_d, fill_rows_d, sources_d) = self._inputs.send(
-            [np.concatenate(ids) if ids else pos, pos,
-             np.concatenate(slot_blocks) if slot_blocks else pos, pos % bs,
-             np.asarray(starts, np.int32), np.asarray(lens, np.int32),
-             np.asarray(ctxs, np.int32), np.asarray(table_rows, np.int32),
-             np.asarray(indices, np.int32), np.asarray(values, np.int32),
-             np.asarray(sample_rows, np.int32), np.asarray(fill_rows, np.int32),
-             np.asarray(sources, np.int32)])
-        if indices:
-            self.table_rows.write(indices_d, values_d)
-        cols = cdiv(max(ctxs, default=1), bs)  # the columns any request reads
-        table_d = self.table_rows.table[:, :cols].index_select(0, table_rows_d)
-        self.fill_placeholders(input_ids, fill_rows_d, sources_d)
-        paged = PagedInputs(table_d, starts_d, lens_d, ctx_d, max(lens, default=1),
-                            (starts, lens, ctxs))
-        meta = AttentionMetadata(slot_block_ids, slot_offsets, paged, token_counts)
-        return input_ids, positions_d, meta, rows_d.long()
-
+        r = self.rows(batch)
+        (input_ids, positions, slot_blocks, slot_offsets, starts, lens, ctxs, table_rows,
+         indices, values, sample_rows, fill_rows, sources) = self._inputs.send(
+            [r.ids, r.positions, r.slot_blocks, r.slot_offsets, r.starts, r.lens, r.ctxs,
+             r.table_rows, r.table_indices, r.table_values, r.sample_rows, r.fill_rows,
+             r.sources])
+        if r.table_indices.size:
+            self.table_rows.write(indices, values)
+        host = r.starts.tolist(), r.lens.tolist(), r.ctxs.tolist()
+        cols = cdiv(max(host[2], default=1), self.block_size)  # the columns any request reads
+        table = self.table_rows.table[:, :cols].index_select(0, table_rows)
+        self.fill_placeholders(input_ids, fill_rows, sources)
+        paged = PagedInputs(table, starts, lens, ctxs, max(host[1], default=1), host)
+        meta = AttentionMetadata(slot_blocks, slot_offsets, paged, token_counts)
+        return input_ids, positions, meta, sample_rows.long()
