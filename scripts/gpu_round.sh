@@ -11,6 +11,9 @@
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
 #   scripts/gpu_round.sh leads            the leads of docs/roadmap.md item 2 (cold start,
 #                                         whole loads from files, 8B 8k rows)
+#   scripts/gpu_round.sh host             the engine's host floor per decode step (a tiny
+#                                         model's graphs at 64 and 256 rows) beside the 135M
+#                                         shape's step at 256 rows (issue 26)
 #   scripts/gpu_round.sh mla              MLA's expanded attention with and without cuDNN's
 #                                         SDPA, and V2-Lite's 8k TTFT from the pool either way
 # Before spending device time: `env -u TRITON_INTERPRET .venv/bin/python
@@ -36,6 +39,13 @@ elif [ "$what" = moe ]; then
     qwen3-30b-a3b@8:256:256:32 deepseek-v2-lite@9:256:256:32
   python3 -m shoal bench ttft --model random:deepseek-v2-lite@9 --device cuda \
     --prefix-tokens 8192 --rounds 3 2>&1 | tee -a "$OUT/ttft.log" | tail -12
+elif [ "$what" = host ]; then
+  for rows in 64 256; do
+    timeout 240 python3 scripts/host_step_probe.py "$rows" 3 cuda 2>&1 | grep -v Writing \
+      | tee -a "$OUT/host.txt"
+  done
+  timeout 300 python3 scripts/generate_only.py random:smollm2-135m 256 256 3 2>&1 \
+    | tee -a "$OUT/host.txt" | tail -4
 elif [ "$what" = mla ]; then
   python3 scripts/mla_sdpa_probe.py 2>&1 | tee "$OUT/mla_probe.txt"
   for mode in ttft ttft-cudnn; do

@@ -1,12 +1,14 @@
 """The engine's host work per decode step, apart from the model: a one-layer model with a
 512-token vocabulary on the CPU, so that a step is almost all Python (the scheduler, the
-inputs, the update, the report). Prints ms per decode step and, with PROFILE=1, the
-functions that take the most of it (cProfile, self time).
+inputs, the update, the report). Prints ms per decode step, in the overlap loop and the
+plain one, and with PROFILE=1 the functions that take the most of the plain loop's time
+(cProfile, self time; the engine's thread only).
 
-    .venv/bin/python scripts/host_step_probe.py [num_prompts=256] [rounds=3]
+    .venv/bin/python scripts/host_step_probe.py [num_prompts=256] [rounds=3] [device=cpu]
 
-On a GPU the same Python runs beside the device's work: at 256 rows of the 135M shape it
-is most of the step (docs/roadmap.md item 1)."""
+On a GPU (device cuda: decode steps replay CUDA graphs) the model's work is a few
+microseconds, so the step is the host's floor: what a step of a real shape at this batch
+cannot go below (docs/roadmap.md item 1)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def tiny_checkpoint(path: Path) -> Path:
     return path
 
 
-def main(num_prompts: int, rounds: int) -> None:
+def main(num_prompts: int = 256, rounds: int = 3, device: str = "cpu") -> None:
     torch.set_num_threads(1)
     new_tokens = 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +49,7 @@ def main(num_prompts: int, rounds: int) -> None:
         for overlap in (True, False):
             engine = Engine(EngineConfig(model=str(model), max_batch_size=num_prompts,
                                          max_num_tokens=max(2048, 32 * num_prompts),
-                                         overlap_scheduler=overlap))
+                                         overlap_scheduler=overlap, device=device))
             profile = cProfile.Profile() if os.environ.get("PROFILE") and not overlap else None
             for _ in range(rounds):
                 for prompt in prompts:
@@ -71,4 +73,4 @@ def main(num_prompts: int, rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    main(*(int(a) for a in sys.argv[1:3]), *sys.argv[3:4])
