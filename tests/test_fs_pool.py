@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -16,6 +17,7 @@ from shoal import LLM, SamplingParams
 from shoal.kv.block_keys import extend_block_keys, request_seed
 from shoal.connectors import ConnectorConfig
 from shoal.connectors.fs import format as pf
+from shoal.connectors.fs.connector import FsStore
 from tests.conftest import count_lookups, random_prompts
 
 SP = SamplingParams(max_tokens=10)
@@ -173,10 +175,11 @@ def test_blocks_a_load_brought_are_looked_up_once(tiny_model, workload, baseline
 
 def test_blocks_found_in_the_pool_are_not_looked_up_again_for_a_while(
         tiny_model, workload, tmp_path, monkeypatch):
-    """Deciding what to save looks a completed block up in the pool once: a key found there
-    or saved is not looked up again for RECHECK_SECONDS (each 8k-token local prefix hit
-    looked up its 512 files again, ~2 ms). Blocks never saved are looked up and saved: a chat's next
-    turn saves the blocks of the last turn's answer, which its prompt now holds."""
+    """Deciding what to save looks a completed block up in the pool: a key found there is
+    not looked up again for RECHECK_SECONDS (each 8k-token local prefix hit looked up its
+    512 files again, ~2 ms); a key saved is looked up once more (its save may have failed).
+    Blocks never saved are looked up and saved: a chat's next turn saves the blocks of the
+    last turn's answer, which its prompt now holds."""
     from shoal.connectors.store import scheduler as store_scheduler
 
     pool = tmp_path / "pool"
@@ -192,20 +195,57 @@ def test_blocks_found_in_the_pool_are_not_looked_up_again_for_a_while(
         looked = count_lookups(monkeypatch)
         out = llm.generate([turn2], SP)[0]  # a local hit of 13 blocks (46 + 9 tokens)
         assert out.num_local_prefix_tokens == 52
-        assert not any(looked.get(p) for p in paths[:11])  # saved a moment ago
+        assert all(looked.get(p) == 1 for p in paths[:11])  # saved: looked up once more
         assert all(looked.get(p) for p in paths[11:16])  # new: looked up, once, and saved,
         assert all(Path(p).is_file() for p in paths[:16])  # the answer's blocks too
         looked.clear()
         again = llm.generate([turn2[:-4] + [5, 6, 7, 8]], SP)[0]  # 15 blocks local
         assert again.num_local_prefix_tokens == 60
-        assert not any(looked.get(p) for p in paths[:15])  # found or saved a moment ago
+        assert not any(looked.get(p) for p in paths[:11])  # found a moment ago
+        assert all(looked.get(p) == 1 for p in paths[11:15])  # saved: found now
+        looked.clear()
+        third = llm.generate([turn2[:-4] + [1, 2, 3, 4]], SP)[0]
+        assert not any(looked.get(p) for p in paths[:15])
         monkeypatch.setattr(store_scheduler, "RECHECK_SECONDS", 0.0)
         later = llm.generate([turn2[:-4] + [9, 9, 9, 9]], SP)[0]
         assert all(looked.get(p) for p in paths[:15])  # looked up again once it is old
         llm.check_integrity()
     with LLM(tiny_model, **KW) as llm:  # no pool: the same tokens
-        assert [o.token_ids for o in (out, again, later)] == [o.token_ids for o in llm.generate(
-            [turn2, turn2[:-4] + [5, 6, 7, 8], turn2[:-4] + [9, 9, 9, 9]], SP)]
+        assert [o.token_ids for o in (out, again, third, later)] == [
+            o.token_ids for o in llm.generate([turn2, turn2[:-4] + [5, 6, 7, 8],
+                                               turn2[:-4] + [1, 2, 3, 4],
+                                               turn2[:-4] + [9, 9, 9, 9]], SP)]
+
+
+def test_a_save_that_failed_is_made_by_the_next_hit_of_its_blocks(
+        tiny_model, tmp_path, monkeypatch):
+    """A full disk fails a request's saves; once it has room again, the next request whose
+    local prefix holds those blocks saves them (a key whose save was sent is not taken as
+    in the pool), and the next one saves again a block trimmed since it was saved."""
+    pool = tmp_path / "pool"
+    prompt = random_prompts(512, [40], seed=3)[0]  # 10 full blocks (with the first answer's: 12)
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
+        keys: list[bytes] = []
+        extend_block_keys(keys, prompt, 4,
+                          request_seed(bytes.fromhex(llm.engine.info.namespace), None))
+        paths = [Path(pf.block_path_str(str(pool), k)) for k in keys]
+        real = FsStore.write
+
+        def full_disk(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(FsStore, "write", full_disk)
+        first = llm.generate([prompt], SP)[0]
+        assert not any(p.is_file() for p in paths)
+        monkeypatch.setattr(FsStore, "write", real)
+        second = llm.generate([prompt + [1, 2, 3, 4, 5]], SP)[0]  # a local prefix hit
+        assert second.num_local_prefix_tokens == 40
+        assert all(p.is_file() for p in paths)
+        paths[3].unlink()  # trimmed (max_bytes) by another process
+        llm.generate([prompt + [6, 7, 8, 9, 10]], SP)
+        assert paths[3].is_file()
+        llm.check_integrity()
+    with LLM(tiny_model, **KW) as llm:
+        assert first.token_ids == llm.generate([prompt], SP)[0].token_ids
 
 
 def test_a_long_hit_is_found_with_a_few_lookups_and_a_hole_in_it_is_recomputed(

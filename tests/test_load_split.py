@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shoal.engine.load_split import LoadPlanner
+from shoal.engine.load_split import MIN_SPLIT_GAIN, LoadPlanner
 
 BS = 16
 
@@ -60,11 +60,12 @@ def test_a_split_that_ends_only_a_little_sooner_loads_it_all():
     7% sooner is loaded whole (it ran 15-30% later split); a slower store's split still
     pays."""
     p = planner(prefill=35_500.0, load=348_000.0)
-    p.prefill_launch_s = 0.012
+    p.min_gain = LoadPlanner(BS, 2048, device="cuda").min_gain  # a GPU's
+    assert p.min_gain == MIN_SPLIT_GAIN
     assert p.admit(0, 508).first.num_tokens == 0
     p.load_tps.value = 130_000.0
     assert p.admit(0, 508).first.num_tokens > 0
-    # on a CPU (no launch time) splits run as modelled: any gain is taken
+    # on a CPU splits run as modelled: any gain is taken
     q = planner(prefill=35_500.0, load=348_000.0)
     assert q.min_gain == 0 and q.admit(0, 508).first.num_tokens > 0
 

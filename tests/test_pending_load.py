@@ -71,13 +71,17 @@ def test_the_front_is_busy_only_while_its_chunks_are_in_flight():
 def test_the_front_computes_what_was_dropped_from_the_load_even_when_told_to_wait():
     """Blocks dropped from the load (below dropped_to) are the front's: a planner step that
     says wait (0 tokens: the load would end the hit soon enough) still leaves them to it,
-    up to the first block a copy may still write; blocks landed above are not recomputed."""
+    up to the first block a copy may still write; blocks landed above are not recomputed.
+    Never more than a step holds: the time booked for the front is its forward's (what a
+    step leaves of the dropped blocks is the next step's)."""
+    step = 1000
     p = load()  # blocks 0-9 (40 tokens), nothing dropped yet: the front waits
-    assert p.front_limit(0, 0, BS) == 0
+    assert p.front_limit(0, 0, BS, step) == 0
     p.dropped_to, p.writes_from = 4, 6  # 0-3 dropped; 4-5 landed while being dropped
-    assert p.front_limit(0, 0, BS) == 16 and p.front_limit(0, 8, BS) == 8
-    assert p.front_limit(20, 0, BS) == 20  # a larger share, up to writes_from
-    assert p.front_limit(100, 0, BS) == 24
+    assert p.front_limit(0, 0, BS, step) == 16 and p.front_limit(0, 8, BS, step) == 8
+    assert p.front_limit(20, 0, BS, step) == 20  # a larger share, up to writes_from
+    assert p.front_limit(100, 0, BS, step) == 24
+    assert p.front_limit(0, 0, BS, 12) == 12 and p.front_limit(0, 12, BS, 12) == 4
     p.writes_from = 2  # a copy still writes block 2: the front stops below it
-    assert p.front_limit(0, 0, BS) == 8
+    assert p.front_limit(0, 0, BS, step) == 8
 

@@ -112,8 +112,12 @@ class LoadPlanner:
     context, about one unit per token), so a long front costs more per token than the
     bring-up's short forwards (the prefill rate is per unit of work)."""
 
-    def __init__(self, block_size: int, max_num_tokens: int, attention_weight: float = 0.0):
+    def __init__(self, block_size: int, max_num_tokens: int, attention_weight: float = 0.0,
+                 device: str = "cpu"):
         self.block_size = block_size
+        # what a split must gain: MIN_SPLIT_GAIN on a GPU (`device`, the KV cache's; TP and
+        # ADP ranks measure no launch time at bring-up)
+        self.min_gain = MIN_SPLIT_GAIN if device.startswith("cuda") else 0.0
         self.max_num_tokens = max_num_tokens
         self.attention_weight = attention_weight
         self.prefill_tps = Ewma()  # work/s (`work`) of prefill forwards past their fixed cost
@@ -127,11 +131,6 @@ class LoadPlanner:
         self.host_load_latency_s = Ewma()
 
     # -- measurements ----------------------------------------------------------------------
-
-    @property
-    def min_gain(self) -> float:
-        """What a split must gain (MIN_SPLIT_GAIN where a forward has launches: a GPU)."""
-        return MIN_SPLIT_GAIN if self.prefill_launch_s > 0 else 0.0
 
     def work(self, start: int, num_tokens: int) -> float:
         """The work of computing positions [start, start + num_tokens) of a request."""

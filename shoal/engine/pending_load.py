@@ -49,12 +49,14 @@ class PendingLoad:
         """The block after the hit's last."""
         return self.end_token // block_size
 
-    def front_limit(self, num_tokens: int, front: int, block_size: int) -> int:
+    def front_limit(self, num_tokens: int, front: int, block_size: int,
+                    step_tokens: int) -> int:
         """`num_tokens` for the front at token `front`, but at least the blocks dropped from
-        the load already (no copy writes them, whatever the planner's step says) and below
-        every block the load may still write."""
+        the load already (no copy writes them, whatever the planner's step says), below
+        every block the load may still write, and no more than a step's `step_tokens` (the
+        time booked for the front is its forward's)."""
         num_tokens = max(num_tokens, self.dropped_to * block_size - front)
-        return max(min(num_tokens, self.writes_from * block_size - front), 0)
+        return max(min(num_tokens, self.writes_from * block_size - front, step_tokens), 0)
 
     def schedule_front(self, seconds: float) -> None:
         """A chunk of the front was scheduled; its forward should take `seconds`."""

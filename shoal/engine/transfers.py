@@ -54,10 +54,9 @@ class KVTransfers:
         self.poller = TransferPoller(self.calls)
         # the front computes while the back loads where both sides can (SPEC 3.1)
         self.partial_loads = config.compute_while_loading and self.calls.partial_loads
-        self.planner = LoadPlanner(ctx.block_size, max_num_tokens, attention_weight)
+        self.planner = LoadPlanner(ctx.block_size, max_num_tokens, attention_weight, ctx.device)
         self._rates_path = rates_path(config, ctx)
-        # rates are kept between runs wherever loads can be split (also by an engine that
-        # loads whole: what it measures serves the next one)
+        # rates kept between runs where loads can be split (an engine loading whole teaches too)
         if self.calls.partial_loads and self.calls.agreement.is_lead:
             self.planner.restore(self._rates_path)
         self._loads: dict[str, PendingLoad] = {}  # pending loads: blocks held, never preempted
@@ -171,8 +170,8 @@ class KVTransfers:
         return self._front(load, step.num_tokens, front)
 
     def _front(self, load: PendingLoad, num_tokens: int, front: int) -> int:
-        """The front's tokens this step (at most `num_tokens`: PendingLoad.front_limit)."""
-        n = load.front_limit(num_tokens, front, self.ctx.block_size)
+        """The front's tokens this step (PendingLoad.front_limit), at most a step's worth."""
+        n = load.front_limit(num_tokens, front, self.ctx.block_size, self.planner.max_num_tokens)
         if n:
             load.schedule_front(self.planner.compute_seconds(front, n))
         return n

@@ -5,10 +5,11 @@ longest run of consecutive pool hits after its local prefix hit, looked up in on
 to the store (one pipelined round trip for a network store), and is planned last block
 first (SPEC 3.1); `drop_loads` takes the blocks the engine computes itself off the plan.
 A block is saved by the step that completes it, unless the pool has it already: one
-lookup per step for every block completed in it, but none for a key found or saved in
+lookup per step for every block completed in it, but none for a key that lookup found in
 the last RECHECK_SECONDS (each 8k-token local prefix hit looked up its 512 files again:
-~2 ms of the engine thread, CPU; a key trimmed from the store meanwhile, or whose save
-failed, is saved again once that has passed). The keys this side sent to the worker
+~2 ms of the engine thread, CPU; a key trimmed from the store meanwhile is saved again
+once that has passed). A key saved is looked up once more the next time (its save may
+have failed), and a hit's keys are not taken as found (a lookup of a run is a hint). The keys this side sent to the worker
 (loads and saves) are remembered, newest last, as many as the worker's host tier holds:
 what the tier probably has (`get_num_matched_host_tokens`, which the engine's split
 weighs). Under TP each rank's worker stores its shard under `shard_key(key, rank,
@@ -30,7 +31,7 @@ from shoal.connectors.store.base import BlockStore, PoolOptions
 from shoal.kv.block_keys import shard_key
 
 KNOWN_KEYS = 1 << 16  # keys remembered as found in the store (the newest)
-RECHECK_SECONDS = 60.0  # a key found in the store or saved is not looked up for this long
+RECHECK_SECONDS = 60.0  # a key found in the store is not looked up again for this long
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class StoreScheduler(KvConnectorScheduler):
         self._in_host: OrderedDict[bytes, None] = OrderedDict()
         self._host_capacity = opts.host_tier_bytes // ctx.block_nbytes if ctx.block_nbytes else 0
         self._host_matched: dict[str, int] = {}  # rid -> of its last match, blocks in the tier
-        self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> when found or saved
+        self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> when found
 
     @classmethod
     @abc.abstractmethod
@@ -105,7 +106,6 @@ class StoreScheduler(KvConnectorScheduler):
             self._host_matched.pop(request.request_id, None)
             return 0, False
         self._matched[request.request_id] = (first, hits)
-        self._know(request.block_keys[first:first + hits])
         self._host_matched[request.request_id] = sum(
             k in self._in_host for k in request.block_keys[first:first + hits])
         return hits * bs, self.is_async
@@ -158,7 +158,7 @@ class StoreScheduler(KvConnectorScheduler):
             self._requests[rd.request_id].block_ids.extend(rd.new_block_ids)
         candidates = self._completed_blocks(scheduler_output)
         found = self._in_pool([key for _, _, key in candidates])
-        self._know([key for _, _, key in candidates])  # found, or saved from this step on
+        self._know([key for (_, _, key), in_pool in zip(candidates, found) if in_pool])
         for (rid, i, key), in_pool in zip(candidates, found):
             if in_pool or key in self._saving_keys:  # (the same block twice in one step)
                 continue
@@ -186,7 +186,7 @@ class StoreScheduler(KvConnectorScheduler):
                 # a block of the hit that was loaded before this step's chunk, or that the
                 # engine computes instead of loading it, is in the pool: no need to look it
                 # up again (a block the load failed is first checked in the step that
-                # recomputes it: looked up, saved); nor one outside it found or saved lately
+                # recomputes it: looked up, saved); nor one outside it found lately
                 key = rd.block_keys[i]
                 if not ((i < computed or i < st.dropped_to) if i in st.loading else
                         now - self._known.get(key, -math.inf) < RECHECK_SECONDS
@@ -196,7 +196,7 @@ class StoreScheduler(KvConnectorScheduler):
         return out
 
     def _know(self, keys: list[bytes]) -> None:
-        """Keys just found in the store or saved (the oldest beyond KNOWN_KEYS are forgotten)."""
+        """Keys just found in the store (the oldest beyond KNOWN_KEYS are forgotten)."""
         now = time.monotonic()
         for key in keys:
             self._known[key] = now
