@@ -349,6 +349,7 @@ def test_compute_while_loading_on_cuda(tiny_models, tmp_path, source):
     so that every hit is split): the no-pool tokens, each matched token computed or loaded
     once, every block accounted for; from the files, then (tier) from the host tier."""
     from shoal.connectors import ConnectorConfig
+    from shoal.engine.load_split import MIN_SPLIT_GAIN
 
     path, prompts, kw, sp, expected, block_nbytes = _bf16_pool_workload(tiny_models, seed=9)
     pool = tmp_path / "pool"
@@ -359,6 +360,7 @@ def test_compute_while_loading_on_cuda(tiny_models, tmp_path, source):
                                               "max_read_gbps": block_nbytes / 2e-3 / 1e9})
     with LLM(path, kv_connector=cfg, **kw) as llm:
         planner = llm.engine.transfers.planner
+        assert planner.min_gain == MIN_SPLIT_GAIN  # a GPU's (set by the device, not timed)
         planner.prefill_tps.value, planner.load_tps.value = 2000.0, 2000.0
         planner.load_latency_s.value = planner.prefill_overhead_s = 0.0
         planner.prefill_launch_s = 0.0

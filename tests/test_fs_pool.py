@@ -8,7 +8,9 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -173,17 +175,29 @@ def test_blocks_a_load_brought_are_looked_up_once(tiny_model, workload, baseline
     assert [looked.get(pf.block_path_str(str(pool), k)) for k in keys[:10]] == [1] * 10
 
 
+def _scheduler_clock(monkeypatch) -> list[float]:
+    """The pool scheduler's clock, set ahead by the returned list's one value (seconds)."""
+    from shoal.connectors.store import scheduler as store_scheduler
+
+    ahead = [0.0]
+    monkeypatch.setattr(store_scheduler, "time",
+                        SimpleNamespace(monotonic=lambda: time.monotonic() + ahead[0]))
+    return ahead
+
+
 def test_blocks_found_in_the_pool_are_not_looked_up_again_for_a_while(
         tiny_model, workload, tmp_path, monkeypatch):
     """Deciding what to save looks a completed block up in the pool: a key found there is
     not looked up again for RECHECK_SECONDS (each 8k-token local prefix hit looked up its
-    512 files again, ~2 ms); a key saved is looked up once more (its save may have failed).
-    Blocks never saved are looked up and saved: a chat's next turn saves the blocks of the
-    last turn's answer, which its prompt now holds."""
-    from shoal.connectors.store import scheduler as store_scheduler
+    512 files again, ~2 ms), a key sent to be saved not for SAVE_RECHECK_SECONDS (its
+    write may be queued still: no second save meanwhile), then once. Blocks never saved
+    are looked up and saved: a chat's next turn saves the blocks of the last turn's
+    answer, which its prompt now holds."""
+    from shoal.connectors.store.scheduler import RECHECK_SECONDS, SAVE_RECHECK_SECONDS
 
     pool = tmp_path / "pool"
     turn1 = workload[1]  # 46 tokens: 11 full blocks
+    clock = _scheduler_clock(monkeypatch)
     with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
         answer = llm.generate([turn1], SP)[0].token_ids  # saves blocks 0-10
         turn2 = turn1 + answer + random_prompts(512, [8], seed=9)[0]  # 64 tokens: 16 blocks
@@ -193,37 +207,37 @@ def test_blocks_found_in_the_pool_are_not_looked_up_again_for_a_while(
         paths = [pf.block_path_str(str(pool), k) for k in keys]
         assert not any(Path(p).is_file() for p in paths[11:])
         looked = count_lookups(monkeypatch)
-        out = llm.generate([turn2], SP)[0]  # a local hit of 13 blocks (46 + 9 tokens)
-        assert out.num_local_prefix_tokens == 52
-        assert all(looked.get(p) == 1 for p in paths[:11])  # saved: looked up once more
+        prompts = [turn2] + [turn2[:-4] + [i] * 4 for i in range(5, 9)]
+        outs = [llm.generate([prompts[0]], SP)[0]]  # a local hit of 13 blocks (46 + 9 tokens)
+        assert outs[0].num_local_prefix_tokens == 52
+        assert not any(looked.get(p) for p in paths[:11])  # saved a moment ago
         assert all(looked.get(p) for p in paths[11:16])  # new: looked up, once, and saved,
         assert all(Path(p).is_file() for p in paths[:16])  # the answer's blocks too
-        looked.clear()
-        again = llm.generate([turn2[:-4] + [5, 6, 7, 8]], SP)[0]  # 15 blocks local
-        assert again.num_local_prefix_tokens == 60
-        assert not any(looked.get(p) for p in paths[:11])  # found a moment ago
-        assert all(looked.get(p) == 1 for p in paths[11:15])  # saved: found now
-        looked.clear()
-        third = llm.generate([turn2[:-4] + [1, 2, 3, 4]], SP)[0]
-        assert not any(looked.get(p) for p in paths[:15])
-        monkeypatch.setattr(store_scheduler, "RECHECK_SECONDS", 0.0)
-        later = llm.generate([turn2[:-4] + [9, 9, 9, 9]], SP)[0]
-        assert all(looked.get(p) for p in paths[:15])  # looked up again once it is old
+        for ahead, looked_up in ((0.0, False), (SAVE_RECHECK_SECONDS + 1, True),
+                                 (2 * SAVE_RECHECK_SECONDS + 2, False),
+                                 (SAVE_RECHECK_SECONDS + RECHECK_SECONDS + 2, True)):
+            looked.clear()
+            clock[0] = ahead
+            outs.append(llm.generate([prompts[len(outs)]], SP)[0])  # 15 blocks local
+            assert outs[-1].num_local_prefix_tokens == 60
+            # saved lately: not looked up; then once (found); found: not for a minute
+            assert [looked.get(p, 0) for p in paths[:15]] == [int(looked_up)] * 15, ahead
         llm.check_integrity()
     with LLM(tiny_model, **KW) as llm:  # no pool: the same tokens
-        assert [o.token_ids for o in (out, again, third, later)] == [
-            o.token_ids for o in llm.generate([turn2, turn2[:-4] + [5, 6, 7, 8],
-                                               turn2[:-4] + [1, 2, 3, 4],
-                                               turn2[:-4] + [9, 9, 9, 9]], SP)]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, SP)]
 
 
-def test_a_save_that_failed_is_made_by_the_next_hit_of_its_blocks(
+def test_a_save_that_failed_is_made_again_once_it_would_have_ended(
         tiny_model, tmp_path, monkeypatch):
     """A full disk fails a request's saves; once it has room again, the next request whose
-    local prefix holds those blocks saves them (a key whose save was sent is not taken as
-    in the pool), and the next one saves again a block trimmed since it was saved."""
+    local prefix holds those blocks after SAVE_RECHECK_SECONDS saves them (a key whose save
+    was sent is not taken as in the pool), and one later saves again a block trimmed since
+    it was saved."""
+    from shoal.connectors.store.scheduler import SAVE_RECHECK_SECONDS
+
     pool = tmp_path / "pool"
-    prompt = random_prompts(512, [40], seed=3)[0]  # 10 full blocks (with the first answer's: 12)
+    prompt = random_prompts(512, [40], seed=3)[0]  # 10 full blocks (with the answer's: 12)
+    clock = _scheduler_clock(monkeypatch)
     with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
         keys: list[bytes] = []
         extend_block_keys(keys, prompt, 4,
@@ -239,9 +253,13 @@ def test_a_save_that_failed_is_made_by_the_next_hit_of_its_blocks(
         monkeypatch.setattr(FsStore, "write", real)
         second = llm.generate([prompt + [1, 2, 3, 4, 5]], SP)[0]  # a local prefix hit
         assert second.num_local_prefix_tokens == 40
+        assert not any(p.is_file() for p in paths)  # its saves may be queued still
+        clock[0] = SAVE_RECHECK_SECONDS + 1
+        llm.generate([prompt + [6, 7, 8, 9, 10]], SP)
         assert all(p.is_file() for p in paths)
         paths[3].unlink()  # trimmed (max_bytes) by another process
-        llm.generate([prompt + [6, 7, 8, 9, 10]], SP)
+        clock[0] = 2 * SAVE_RECHECK_SECONDS + 2
+        llm.generate([prompt + [1, 1, 1, 1, 1]], SP)
         assert paths[3].is_file()
         llm.check_integrity()
     with LLM(tiny_model, **KW) as llm:

@@ -85,3 +85,26 @@ def test_the_front_computes_what_was_dropped_from_the_load_even_when_told_to_wai
     p.writes_from = 2  # a copy still writes block 2: the front stops below it
     assert p.front_limit(0, 0, BS, step) == 8
 
+
+
+def test_a_front_is_booked_for_what_its_step_has_room_for():
+    """KVTransfers books a front chunk's forward time for the tokens the step can take (its
+    budget, after the other requests' tokens), not for every dropped block the front must
+    still compute: an overbooked front made the next steps' fronts wait."""
+    import time
+    from types import SimpleNamespace
+
+    from shoal.engine.load_split import LoadPlanner
+    from shoal.engine.transfers import KVTransfers
+
+    transfers = KVTransfers.__new__(KVTransfers)  # only what `_front` reads
+    transfers.ctx = SimpleNamespace(block_size=BS)
+    transfers.planner = LoadPlanner(BS, 2048)
+    transfers.planner.prefill_tps.value = 100.0  # tokens (units of work) a second
+    p = load()
+    p.dropped_to, p.writes_from = 8, 10  # 32 tokens dropped: the front's
+    start = time.monotonic()
+    assert transfers._front(p, 0, 0, limit=12) == 12
+    booked = p.front_busy_until - start
+    assert booked == pytest.approx(transfers.planner.compute_seconds(0, 12), abs=0.01)
+    assert booked < transfers.planner.compute_seconds(0, 32) / 2

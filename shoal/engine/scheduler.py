@@ -90,7 +90,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(self._num_schedulable(req), budget)
+            num_new = self._num_schedulable(req, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -132,7 +132,7 @@ class Scheduler:
             self.running.append(req)
             if transfers and transfers.admit(req, num_cached, num_external):
                 # a load is pending: the front computes what the load leaves it (SPEC 3.1)
-                num_new = min(transfers.front_tokens(req), budget)
+                num_new = min(transfers.front_tokens(req, budget), budget)
             if num_new > 0:
                 chunks.append(self._make_chunk(req, num_new))
                 budget -= num_new
@@ -252,23 +252,23 @@ class Scheduler:
                 f"{req.request_id}: {len(req.block_ids)} blocks for "
                 f"{req.num_computed_tokens} computed tokens")
 
-    def _num_schedulable(self, req: Request) -> int:
-        """Tokens a running request can compute now (0 when it is done but not yet updated,
-        or its front waits for a load)."""
+    def _num_schedulable(self, req: Request, budget: int) -> int:
+        """Tokens a running request can compute now, at most `budget` (0 when it is done but
+        not yet updated, or its front waits for a load)."""
         num_outputs = len(req.output_token_ids) + req.num_inflight_tokens
         num_known = len(req.prompt_token_ids) + num_outputs  # req.num_known_tokens, inlined
         if num_outputs >= req.sampling.max_tokens or num_known > self.max_request_len:
             return 0
         transfers = self.transfers
-        if transfers is not None and transfers.has_fronts:
-            num_ok = transfers.take_landed(req)
-            if num_ok is not None:  # the front reached the landed blocks: go on after them
-                req.num_computed_tokens = num_ok
-                self.kv.cache_computed_blocks(req, num_ok)
-            front = transfers.front_tokens(req)
-            if front is not None:
-                return min(front, num_known - req.num_computed_tokens)
-        return num_known - req.num_computed_tokens
+        if transfers is None or not transfers.has_fronts:
+            return min(num_known - req.num_computed_tokens, budget)
+        num_ok = transfers.take_landed(req)
+        if num_ok is not None:  # the front reached the landed blocks: go on after them
+            req.num_computed_tokens = num_ok
+            self.kv.cache_computed_blocks(req, num_ok)
+        num_new = min(num_known - req.num_computed_tokens, budget)
+        front = transfers.front_tokens(req, num_new)
+        return num_new if front is None else min(front, num_new)
 
     def _victim(self) -> Request | None:
         """The newest running request that may be preempted: a pending load still writes

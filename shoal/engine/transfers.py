@@ -143,8 +143,9 @@ class KVTransfers:
         self.deadlines.start(req.request_id)
         return True
 
-    def front_tokens(self, req: Request) -> int | None:
-        """Tokens the request's front may compute this step (None: no load bounds it).
+    def front_tokens(self, req: Request, limit: int) -> int | None:
+        """Tokens the request's front may compute this step (None: no load bounds it), at
+        most `limit` (what the step has room for: the time booked is its forward's).
         While its load is pending the front stays below every block the load may write,
         and the blocks it reaches next are dropped from the load a step ahead; once the
         load is done, the front computes up to the landed blocks (`take_landed` then)."""
@@ -158,7 +159,7 @@ class KVTransfers:
         front = req.num_computed_tokens
         if not load.is_planned:  # admitted this step: its plan is not out yet, and the
             # admission's split holds (a drop now would unplan blocks the engine waits for)
-            return self._front(load, load.first_tokens, front)
+            return self._front(load, load.first_tokens, front, limit)
         end = load.end_block(self.ctx.block_size)
         now = time.monotonic()
         step = self._decide(lambda: self.planner.front_step(
@@ -167,11 +168,11 @@ class KVTransfers:
         if step.drop_to > load.dropped_to:
             self._drop(req, step.drop_to)
             load.dropped_to = step.drop_to
-        return self._front(load, step.num_tokens, front)
+        return self._front(load, step.num_tokens, front, limit)
 
-    def _front(self, load: PendingLoad, num_tokens: int, front: int) -> int:
-        """The front's tokens this step (PendingLoad.front_limit), at most a step's worth."""
-        n = load.front_limit(num_tokens, front, self.ctx.block_size, self.planner.max_num_tokens)
+    def _front(self, load: PendingLoad, num_tokens: int, front: int, limit: int) -> int:
+        """The front's tokens this step (PendingLoad.front_limit)."""
+        n = load.front_limit(num_tokens, front, self.ctx.block_size, limit)
         if n:
             load.schedule_front(self.planner.compute_seconds(front, n))
         return n

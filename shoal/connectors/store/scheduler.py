@@ -8,13 +8,14 @@ A block is saved by the step that completes it, unless the pool has it already: 
 lookup per step for every block completed in it, but none for a key that lookup found in
 the last RECHECK_SECONDS (each 8k-token local prefix hit looked up its 512 files again:
 ~2 ms of the engine thread, CPU; a key trimmed from the store meanwhile is saved again
-once that has passed). A key saved is looked up once more the next time (its save may
-have failed), and a hit's keys are not taken as found (a lookup of a run is a hint). The keys this side sent to the worker
-(loads and saves) are remembered, newest last, as many as the worker's host tier holds:
-what the tier probably has (`get_num_matched_host_tokens`, which the engine's split
-weighs). Under TP each rank's worker stores its shard under `shard_key(key, rank,
-world_size)`; this side (rank 0) counts a block as a hit only if every shard is in the
-store, and saves it if any is missing.
+once that has passed), nor for one sent to be saved in the last SAVE_RECHECK_SECONDS
+(its write may still be queued); then it is looked up: found, or saved again (its save
+failed). A hit's keys are not taken as found: the lookup of a run is a hint. The keys
+this side sent to the worker (loads and saves) are remembered, newest last, as many as
+the worker's host tier holds: what the tier probably has (`get_num_matched_host_tokens`,
+which the engine's split weighs). Under TP each rank's worker stores its shard under
+`shard_key(key, rank, world_size)`; this side (rank 0) counts a block as a hit only if
+every shard is in the store, and saves it if any is missing.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KvConnecto
 from shoal.connectors.store.base import BlockStore, PoolOptions
 from shoal.kv.block_keys import shard_key
 
-KNOWN_KEYS = 1 << 16  # keys remembered as found in the store (the newest)
+KNOWN_KEYS = 1 << 16  # keys remembered as found or saved (the newest)
 RECHECK_SECONDS = 60.0  # a key found in the store is not looked up again for this long
+SAVE_RECHECK_SECONDS = 10.0  # nor one sent to be saved (a failed save is retried after it)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class StoreScheduler(KvConnectorScheduler):
         self._in_host: OrderedDict[bytes, None] = OrderedDict()
         self._host_capacity = opts.host_tier_bytes // ctx.block_nbytes if ctx.block_nbytes else 0
         self._host_matched: dict[str, int] = {}  # rid -> of its last match, blocks in the tier
-        self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> when found
+        self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> not looked up until
 
     @classmethod
     @abc.abstractmethod
@@ -158,7 +160,8 @@ class StoreScheduler(KvConnectorScheduler):
             self._requests[rd.request_id].block_ids.extend(rd.new_block_ids)
         candidates = self._completed_blocks(scheduler_output)
         found = self._in_pool([key for _, _, key in candidates])
-        self._know([key for (_, _, key), in_pool in zip(candidates, found) if in_pool])
+        self._know([key for (_, _, key), in_pool in zip(candidates, found) if in_pool],
+                   RECHECK_SECONDS)
         for (rid, i, key), in_pool in zip(candidates, found):
             if in_pool or key in self._saving_keys:  # (the same block twice in one step)
                 continue
@@ -167,6 +170,7 @@ class StoreScheduler(KvConnectorScheduler):
             st.saved_keys.append(key)
             meta.saves.append(BlockTransfer(rid, i, st.block_ids[i], key))
             st.has_saves = True
+        self._know([t.key for t in meta.saves], SAVE_RECHECK_SECONDS)
         self._remember(meta.loads)
         self._remember(meta.saves)
         return meta
@@ -186,20 +190,20 @@ class StoreScheduler(KvConnectorScheduler):
                 # a block of the hit that was loaded before this step's chunk, or that the
                 # engine computes instead of loading it, is in the pool: no need to look it
                 # up again (a block the load failed is first checked in the step that
-                # recomputes it: looked up, saved); nor one outside it found lately
+                # recomputes it: looked up, saved); nor one outside it found or saved lately
                 key = rd.block_keys[i]
                 if not ((i < computed or i < st.dropped_to) if i in st.loading else
-                        now - self._known.get(key, -math.inf) < RECHECK_SECONDS
-                        ) and key not in self._saving_keys:
+                        now < self._known.get(key, -math.inf)) and key not in self._saving_keys:
                     out.append((rd.request_id, i, key))
             st.num_checked = max(st.num_checked, full)
         return out
 
-    def _know(self, keys: list[bytes]) -> None:
-        """Keys just found in the store (the oldest beyond KNOWN_KEYS are forgotten)."""
-        now = time.monotonic()
+    def _know(self, keys: list[bytes], seconds: float) -> None:
+        """Keys not to look up for `seconds` (just found in the store, or sent to be saved);
+        the oldest beyond KNOWN_KEYS are forgotten."""
+        until = time.monotonic() + seconds
         for key in keys:
-            self._known[key] = now
+            self._known[key] = until
             self._known.move_to_end(key)
         while len(self._known) > KNOWN_KEYS:
             self._known.popitem(last=False)
