@@ -86,7 +86,6 @@ def test_the_front_computes_what_was_dropped_from_the_load_even_when_told_to_wai
     assert p.front_limit(0, 0, BS, step) == 8
 
 
-
 def test_a_front_is_booked_for_what_its_step_has_room_for():
     """KVTransfers books a front chunk's forward time for the tokens the step can take (its
     budget, after the other requests' tokens), not for every dropped block the front must

@@ -144,8 +144,8 @@ class KVTransfers:
         return True
 
     def front_tokens(self, req: Request, limit: int) -> int | None:
-        """Tokens the request's front may compute this step (None: no load bounds it), at
-        most `limit` (what the step has room for: the time booked is its forward's).
+        """Tokens the request's front may compute this step (None: no load bounds it);
+        `limit`: what the step has room for (a front's forward is booked for that at most).
         While its load is pending the front stays below every block the load may write,
         and the blocks it reaches next are dropped from the load a step ahead; once the
         load is done, the front computes up to the landed blocks (`take_landed` then)."""
