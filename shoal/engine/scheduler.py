@@ -132,7 +132,7 @@ class Scheduler:
             self.running.append(req)
             if transfers and transfers.admit(req, num_cached, num_external):
                 # a load is pending: the front computes what the load leaves it (SPEC 3.1)
-                num_new = min(transfers.front_tokens(req, budget), budget)
+                num_new = transfers.front_tokens(req, budget)
             if num_new > 0:
                 chunks.append(self._make_chunk(req, num_new))
                 budget -= num_new
@@ -268,7 +268,7 @@ class Scheduler:
             self.kv.cache_computed_blocks(req, num_ok)
         num_new = min(num_known - req.num_computed_tokens, budget)
         front = transfers.front_tokens(req, num_new)
-        return num_new if front is None else min(front, num_new)
+        return num_new if front is None else front
 
     def _victim(self) -> Request | None:
         """The newest running request that may be preempted: a pending load still writes

@@ -4,9 +4,9 @@
 positions, KV slots, and per chunk its rows, lengths and block-table row) from a batch's
 chunks, with numpy over the whole batch: a chunk costs a few attribute reads, whatever
 its kind (a 256-row decode step's arrays take ~0.2 ms of host time on a slow CPU, where
-three numpy calls per chunk took ~1 ms). The eager forward sends them with `StepInputs`; a CUDA graph copies them
-into its own padded layout (shoal.engine.cuda_graphs). Either way the block table comes
-from the rows kept across steps (`TableRows`).
+three numpy calls per chunk took ~1 ms). The eager forward sends them with `StepInputs`;
+a CUDA graph copies them into its own padded layout (shoal.engine.cuda_graphs). Either
+way the block table comes from the rows kept across steps (`TableRows`).
 
 `StepInputs`: the arrays are written into one pinned host buffer and sent with one
 non-blocking copy; the model reads device views of it. Steps are launched before the
@@ -70,10 +70,11 @@ class StepRows:
             positions = np.repeat(first, lens) + in_chunk
             # each chunk's own blocks side by side; a row's block is among its chunk's
             low, high = first // block_size, (ctxs - 1) // block_size + 1
+            counts = high - low
             own = np.fromiter(chain.from_iterable(
                 c.block_ids[a:b] for c, a, b in zip(chunks, low.tolist(), high.tolist())),
-                i32, int((high - low).sum()))
-            own_start = np.cumsum(high - low) - (high - low)
+                i32, int(counts.sum()))
+            own_start = np.cumsum(counts) - counts
             slot_blocks = own[np.repeat(own_start - low, lens) + positions // block_size]
             ids = np.zeros(ends[-1], i32)
             ids[in_chunk < np.repeat(lens - holes, lens)] = np.fromiter(

@@ -144,19 +144,18 @@ class KVTransfers:
         return True
 
     def front_tokens(self, req: Request, limit: int) -> int | None:
-        """Tokens the request's front may compute this step (None: no load bounds it);
-        `limit`: what the step has room for (a front's forward is booked for that at most).
+        """Tokens the request's front may compute this step, at most `limit` (what the step
+        has room for: a front's forward is booked for no more); None: no load bounds it.
         While its load is pending the front stays below every block the load may write,
         and the blocks it reaches next are dropped from the load a step ahead; once the
         load is done, the front computes up to the landed blocks (`take_landed` then)."""
-        rid = req.request_id
+        rid, front = req.request_id, req.num_computed_tokens
         load = self._loads.get(rid)
         if load is None:
             landed = self._landed.get(rid)
-            return None if landed is None else max(landed.start - req.num_computed_tokens, 0)
+            return None if landed is None else min(max(landed.start - front, 0), limit)
         if not load.is_partial or load.is_cancelled:
             return 0
-        front = req.num_computed_tokens
         if not load.is_planned:  # admitted this step: its plan is not out yet, and the
             # admission's split holds (a drop now would unplan blocks the engine waits for)
             return self._front(load, load.first_tokens, front, limit)

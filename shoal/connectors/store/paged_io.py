@@ -133,8 +133,8 @@ class PagedMover:
         where = self.tier.locate(keys)  # (no hold, no hit counted)
         if None in where:
             return False
-        runs, pages = _runs(sorted(zip(where, block_ids))), {page for page, _ in where}
-        if len(pages) > 3 * self.tier.num_pages // 4 or len(runs) > max(len(pages), len(keys) // 4):
+        runs, num_pages = _runs(sorted(zip(where, block_ids))), len({p for p, _ in where})
+        if num_pages > 3 * self.tier.num_pages // 4 or len(runs) > max(num_pages, len(keys) // 4):
             return False  # (too much of the tier held at once; too many short copies)
         found, pages, misses = self._find(keys)
         stream = None
