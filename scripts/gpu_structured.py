@@ -14,27 +14,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from shoal.bench.structured import run_structured
-from shoal.model.random_ckpt import random_config
+from tokenized_ckpt import build
 
 tok_dir = Path(sys.argv[1])
-vocab = len(AutoTokenizer.from_pretrained(tok_dir))
 for spec in sys.argv[2:]:
     shape, _, prompts = spec.partition(":")
-    config = random_config(shape)
-    config.vocab_size = vocab
     path = Path(tempfile.mkdtemp(prefix="shoal-structured-"))
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    for f in tok_dir.iterdir():
-        shutil.copy(f, path / f.name)
+    vocab = build(tok_dir, shape, path)
     for grammar in ("regex", "json"):
         print(f"== {shape} (vocab {vocab}), {prompts} prompts, grammar {grammar}", flush=True)
         run_structured(str(path), int(prompts or 64), 128, "cuda", rounds=3, grammar=grammar)

@@ -2,14 +2,15 @@
 each engine step (its length, the tokens the request's front computed), each planner
 decision (admission and the front's steps) and each load progress poll.
 
-    [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] [GATE=S] PYTHONPATH=$PWD \
+    [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] [GATE=S] [BLOCKING=0] PYTHONPATH=$PWD \
         python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
 POLL: the engine's longest wait while it only waits for loads (engine.IDLE_WAIT_SECONDS); SWITCH:
 `sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
 from I/O); WHOLE=N: only N engines that load whole (no split); GATE: the longest a chunk
 read from files holds its copies back while a forward is launched (paged_io.LAUNCH_WAIT_S;
-0: never).
+0: never); BLOCKING=0: the I/O threads wait for their copies spinning in the driver
+(paged_io.BLOCKING_WAITS).
 
 As `shoal bench ttft` runs it: an engine computes and saves the prompt, a load-only
 engine teaches the rates (kept for the next engine), then the traced engine's hit. With
@@ -138,6 +139,7 @@ engine_module.IDLE_WAIT_SECONDS = float(os.environ.get("POLL", engine_module.IDL
 if "SWITCH" in os.environ:
     sys.setswitchinterval(float(os.environ["SWITCH"]))
 paged_io.LAUNCH_WAIT_S = float(os.environ.get("GATE", paged_io.LAUNCH_WAIT_S))
+paged_io.BLOCKING_WAITS = os.environ.get("BLOCKING", "1") != "0"
 modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])
          if "WHOLE" in os.environ else
          (("load whole", dict(compute_while_loading=False)), ("split", {}), ("split again", {})))

@@ -102,6 +102,8 @@ class _NoStream:
     """Stands in for a CUDA stream and event where there is no GPU: work on CPU tensors
     is done when it is queued."""
 
+    def __init__(self, blocking: bool = False): pass
+
     def wait_stream(self, other): pass
 
     def synchronize(self): pass

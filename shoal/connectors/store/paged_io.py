@@ -48,6 +48,9 @@ IN_FLIGHT_CHUNKS = 2  # a load task's chunks whose copies may run while it reads
 # the longest a chunk read from files waits with its copies and checks while the executing
 # thread launches a forward (0: never waits)
 LAUNCH_WAIT_S = 0.05
+# the I/O threads wait for their copies asleep (an event made with cudaEventBlockingSync),
+# not spinning in the driver beside the executing thread as it launches a forward
+BLOCKING_WAITS = True
 
 # (block index in the task, dest) -> the header's checksum of what was read into dest, or
 # None if the block is not usable (verified already unless the mover `verifies`)
@@ -155,7 +158,7 @@ class PagedMover:
         finally:  # the pages are let go of once no copy may read them
             try:
                 if stream is not None:
-                    stream.synchronize()  # releases the GIL while it waits
+                    _wait(stream)
             finally:
                 for page in pages:
                     self.tier.release(page)
@@ -213,7 +216,7 @@ class PagedMover:
                           verdicts)
         except BaseException:  # let go of the pages held, once no copy may read them
             if self.is_cuda:
-                self._thread_buffers()[0].synchronize()
+                _wait(self._thread_buffers()[0])
             for page in pages:
                 tier.release(page)
             raise
@@ -267,7 +270,7 @@ class PagedMover:
                 staging[:n] = torch.where(keep[:, None], staging[:n],
                                           self.kv_rows.index_select(0, ids[:n]))
             self.kv_rows.index_copy_(0, ids[:n], staging[:n])
-            event = torch.cuda.Event()
+            event = _event()
             event.record(stream)
         return event, verdicts
 
@@ -276,7 +279,7 @@ class PagedMover:
         the others to `corrupt`."""
         try:
             if chunk.event is not None:
-                chunk.event.synchronize()  # releases the GIL while it waits
+                chunk.event.synchronize()
             if chunk.checks:
                 for (index, key, (page, slot)), ok in zip(chunk.checks, chunk.verdicts.tolist()):
                     if ok:
@@ -307,7 +310,7 @@ class PagedMover:
             torch.index_select(self.kv_rows, 0, self._to_device(block_ids),
                                out=staging[:len(block_ids)])
             rows.view(self.word).copy_(staging[:len(block_ids)], non_blocking=True)
-            event = torch.cuda.Event()
+            event = _event()
             event.record(stream)
         return page, event
 
@@ -366,6 +369,16 @@ class _Chunk:
     pages: list[int]
     checks: list[tuple[int, bytes, tuple[int, int]]]
     verdicts: torch.Tensor | None
+
+
+def _event() -> torch.cuda.Event:  # one an I/O thread waits for (letting go of the GIL)
+    return torch.cuda.Event(blocking=BLOCKING_WAITS)
+
+
+def _wait(stream: torch.cuda.Stream) -> None:  # for the work queued so far on `stream`
+    event = _event()
+    event.record(stream)
+    event.synchronize()
 
 
 def _even(items: list) -> list:
