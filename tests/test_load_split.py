@@ -7,6 +7,7 @@ import json
 import pytest
 
 from shoal.engine.load_split import MIN_SPLIT_GAIN, LoadPlanner
+from shoal.engine.rates_file import restore_rates, save_rates
 
 BS = 16
 
@@ -68,6 +69,53 @@ def test_a_split_that_ends_only_a_little_sooner_loads_it_all():
     # on a CPU splits run as modelled: any gain is taken
     q = planner(prefill=35_500.0, load=348_000.0)
     assert q.min_gain == 0 and q.admit(0, 508).first.num_tokens > 0
+
+
+def test_a_front_measured_slow_beside_its_load_makes_the_next_hits_load_whole():
+    """On an H100 an 8k 1B hit from host memory was split into a 1,216-token front
+    expected to take its 5.7 ms of launches; beside the load it took 10-16 ms, later than
+    loading it all. The front's step teaches the slowdown: the next hits load whole. Each
+    hit loaded whole takes a share of it away, so a split is tried again some hits later
+    (a slowdown that went away is measured anew, not kept forever)."""
+    p = planner(prefill=217_000.0, load=1_150_000.0)
+    p.prefill_launch_s, p.min_gain = 0.0057, MIN_SPLIT_GAIN
+    first = p.admit(0, 508).first.num_tokens
+    assert 1000 < first < 1400  # the split the H100 run made
+    p.observe_front([(0, first)], 0.0163)
+    assert p.front_slowdown.value == pytest.approx(0.0163 / max(0.0057, first / 217_000))
+    hits = 0
+    while p.admit(0, 508).first.num_tokens == 0:
+        hits += 1
+        assert hits < 100
+    assert 10 <= hits <= 60
+    # a front no slower than the model says teaches nothing slower than 1
+    q = planner(prefill=217_000.0, load=1_150_000.0)
+    q.observe_front([(0, 4096)], 0.001)
+    assert q.front_slowdown.value == 1.0
+    q.observe_front([(0, 4096)], 100.0)  # an outlier (a stall) counts at most 8x
+    assert q.front_slowdown.value <= 8.0
+
+
+def test_a_step_teaches_the_prefill_rate_alone_and_the_front_s_slowdown_beside_a_load():
+    from types import SimpleNamespace as NS
+
+    def batch(chunks, loading=()):
+        chunks = [NS(start=s, num_tokens=n, request=NS(request_id=rid)) for s, n, rid in chunks]
+        return NS(chunks=chunks, num_tokens=sum(c.num_tokens for c in chunks),
+                  transfers=NS(loading_ids=tuple(loading)))
+
+    p = planner(prefill=100_000.0)
+    p.observe_step(batch([(0, 1000, "a")]), 0.005)  # no load pending: the prefill rate
+    assert p.prefill_tps.value == pytest.approx(150_000.0) and p.front_slowdown.value is None
+    p.observe_step(batch([(0, 1500, "a"), (9, 1, "b")], loading=["a"]), 0.02)  # a's front
+    assert p.prefill_tps.value == pytest.approx(150_000.0)
+    assert p.front_slowdown.value == pytest.approx(0.02 / (1501 / 150_000.0))
+    slowdown = p.front_slowdown.value
+    # decodes, or another request's chunk while a load is pending: neither
+    p.observe_step(batch([(100 + i, 1, str(i)) for i in range(64)]), 0.005)
+    p.observe_step(batch([(0, 1000, "c")], loading=["a"]), 0.5)
+    assert p.prefill_tps.value == pytest.approx(150_000.0)
+    assert p.front_slowdown.value == slowdown
 
 
 def test_a_store_much_faster_than_computing_loads_everything():
@@ -285,26 +333,28 @@ def test_rates_are_kept_for_the_next_run(tmp_path):
     p.prefill_overhead_s = 0.01
     p.prefill_launch_s = 0.02
     p.host_load_tps.value, p.host_load_latency_s.value = 789.0, 0.25
-    p.save(path)
+    p.front_slowdown.value = 2.5
+    save_rates(p, path)
     q = planner()
-    q.restore(path)
+    restore_rates(q, path)
     assert (q.prefill_tps.value, q.load_tps.value, q.load_latency_s.value) == (123.0, 456.0, 0.5)
     assert (q.host_load_tps.value, q.host_load_latency_s.value) == (789.0, 0.25)
     assert q.prefill_overhead_s == 0.01 and q.prefill_launch_s == 0.02
+    assert q.front_slowdown.value == 2.5
     # a file from before the prefill rate was counted in work: its load rates only
     path.write_text(json.dumps({"prefill_tps": 123.0, "prefill_overhead_s": 0.01,
                                 "load_tps": 456.0}))
     old = planner()
-    old.restore(path)
+    restore_rates(old, path)
     assert old.prefill_tps.value is None and old.prefill_overhead_s == 0.0
     assert old.load_tps.value == 456.0
     path.write_text(json.dumps({"prefill_tps": "fast", "load_tps": True}))  # garbage: ignored
     r = planner()
-    r.restore(path)
+    restore_rates(r, path)
     assert r.prefill_tps.value is None and r.load_tps.value is None
     path.write_text("{not json")
-    planner().restore(path)  # no error
-    planner().save(tmp_path / "rates" / "empty.json")  # nothing measured: nothing written
+    restore_rates(planner(), path)  # no error
+    save_rates(planner(), tmp_path / "rates" / "empty.json")  # nothing measured: nothing written
     assert not (tmp_path / "rates" / "empty.json").exists()
 
 

@@ -263,12 +263,10 @@ class Engine:
             batch, future = self._inflight.popleft()
             out = future.result()
             sampled = out.sampled.tolist()  # waits for the device
-            # the (eager) prefill rate a load split weighs (SPEC 3.1), from steps no load
-            # overlapped: from when the executing thread took one up to its samples on the host
-            if (self.transfers is not None and not batch.transfers.loading_ids
-                    and out.started is not None):
-                self.transfers.planner.observe_prefill(
-                    _prefill_chunks(batch), time.perf_counter() - out.started)
+            # an eager step's time, from when the executing thread took it up to its samples
+            # on the host: the rates a load split weighs (SPEC 3.1)
+            if self.transfers is not None and out.started is not None:
+                self.transfers.planner.observe_step(batch, time.perf_counter() - out.started)
             outcome = None
             if out.transfers is not None:
                 outcome = self.transfers.apply(batch.transfers, out.transfers)
@@ -388,11 +386,3 @@ class Engine:
             self._forward.shutdown(wait=not failed)
         if self.transfers is not None:
             self.transfers.shutdown()
-
-
-def _prefill_chunks(batch: ScheduledBatch) -> list[tuple[int, int]]:
-    """(start, num_tokens) of the batch's chunks, decodes included, if prefill chunks are
-    most of it (else none: a step of decodes says little about the prefill rate)."""
-    prefill = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
-    return ([(c.start, c.num_tokens) for c in batch.chunks]
-            if 2 * prefill >= batch.num_tokens else [])

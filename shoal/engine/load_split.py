@@ -33,18 +33,10 @@ planner decides (KVTransfers shares its answers).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from shoal.model.presets import cache_dir
 from shoal.util import cdiv
-
-log = logging.getLogger(__name__)
 
 SMOOTHING = 0.5  # weight of a new measurement in a rate
 MIN_PREFILL_TOKENS = 32  # a step measures the prefill rate if it computes this many
@@ -55,7 +47,6 @@ MIN_STREAMING_SHARE = 0.25
 # is this many times slower
 MIN_OWN_RATE_BLOCKS = 8
 OWN_RATE_SLACK = 4
-MAX_RATE_FILES = 64  # the newest kept: one per pool directory, and temporary pools come and go
 # a finished load teaches one source's rate: the one at least this share of it came from
 # (a mixed load teaches the other source's rate once one of the two is known)
 ONE_SOURCE_SHARE = 0.9
@@ -73,11 +64,16 @@ UNKNOWN_LOAD_WAIT = 0.05
 # ran 15-30% later). Not on a CPU, where splits run as the model says (`shoal demo`'s warm
 # TTFT: 0.13x of the cold one without a margin, 0.14-0.16x with 10%)
 MIN_SPLIT_GAIN = 0.1
+# a front's forward beside its load, against the model's estimate of it alone: measured from
+# the front's steps (`observe_front`), at most this much slower; each hit loaded whole
+# takes this share of the slowdown away (else a front once measured slow would never be
+# computed, or measured, again)
+MAX_FRONT_SLOWDOWN = 8.0
+SLOWDOWN_DECAY = 0.1
 # the planner's rates (attribute, also its name in a rates file) -> their stats() key
 RATES = {"prefill_tps": "prefill_tokens_per_s", "load_tps": "load_tokens_per_s",
          "load_latency_s": "load_latency_s", "host_load_tps": "host_load_tokens_per_s",
-         "host_load_latency_s": "host_load_latency_s"}
-PREFILL_UNIT = "work"  # the prefill rate's unit in a rates file (files before it: tokens)
+         "host_load_latency_s": "host_load_latency_s", "front_slowdown": "front_slowdown"}
 
 
 @dataclass
@@ -129,6 +125,7 @@ class LoadPlanner:
         self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
         self.host_load_tps = Ewma()  # the same, of loads from the worker's host memory
         self.host_load_latency_s = Ewma()
+        self.front_slowdown = Ewma()  # a front's forward beside a load / its estimate alone
 
     # -- measurements ----------------------------------------------------------------------
 
@@ -143,8 +140,12 @@ class LoadPlanner:
         return self._forward_seconds(start, num_tokens, C) if C else 0.0
 
     def _forward_seconds(self, start: int, num_tokens: int, C: float) -> float:
+        """A front's forward, beside its load."""
         work = self.prefill_overhead_s + self.work(start, num_tokens) / C
-        return max(self.prefill_launch_s, work)
+        return max(self.prefill_launch_s, work) * self._slowdown()
+
+    def _slowdown(self) -> float:
+        return self.front_slowdown.value or 1.0
 
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float],
                           launch_s: float = 0.0) -> None:
@@ -162,6 +163,21 @@ class LoadPlanner:
         self.prefill_overhead_s = min(max(t1 - w1 / rate, 0.0), t2 / 2)
         self.prefill_tps.value = rate
 
+    def observe_step(self, batch, seconds: float) -> None:
+        """An eager step took `seconds` (a ScheduledBatch: its chunks, and the requests whose
+        loads were pending). One mostly of prefill measures the prefill rate if no load was
+        pending (a load's I/O threads slow the steps they overlap), and the fronts' slowdown
+        beside their loads if loading requests' fronts were most of it."""
+        prefill = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+        if 2 * prefill < batch.num_tokens:  # decodes say little of the prefill rate
+            return
+        chunks, loading = [(c.start, c.num_tokens) for c in batch.chunks], batch.transfers.loading_ids
+        if not loading:
+            self.observe_prefill(chunks, seconds)
+        elif 2 * sum(c.num_tokens for c in batch.chunks
+                     if c.request.request_id in loading) >= batch.num_tokens:
+            self.observe_front(chunks, seconds)
+
     def observe_prefill(self, chunks: list[tuple[int, int]], seconds: float) -> None:
         """A step that is mostly prefill took `seconds`: its chunks, (start, num_tokens) each
         (decodes too: one token deep in a context is work as well)."""
@@ -169,6 +185,17 @@ class LoadPlanner:
         if (sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS and busy > seconds / 4
                 and seconds > 2 * self.prefill_launch_s):  # (else mostly its launches)
             self.prefill_tps.add(sum(self.work(s, n) for s, n in chunks) / busy)
+
+    def observe_front(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """A step that was mostly a front beside its load took `seconds` (its launches share
+        the GIL with the load's threads, its kernels the GPU with the copies: on an H100 a
+        1B front of 1,216 tokens beside a load from host memory took 10-16 ms against 5.7
+        estimated); chunks as in observe_prefill."""
+        C = self.prefill_tps.value
+        if C and sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS:
+            alone = max(self.prefill_launch_s, self.prefill_overhead_s
+                        + sum(self.work(s, n) for s, n in chunks) / C)
+            self.front_slowdown.add(min(max(seconds / alone, 1.0), MAX_FRONT_SLOWDOWN))
 
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,
                      host_share: float = 0.0) -> None:
@@ -224,6 +251,8 @@ class LoadPlanner:
         if C is not None and rate is not None and (
                 self.work(front, remaining) / C < self._ends(front, share, remaining, C, *rate)):
             return LoadDecision(end, None)
+        if not step.num_tokens and self.front_slowdown.value:  # loaded whole
+            self.front_slowdown.value = 1 + (1 - SLOWDOWN_DECAY) * (self.front_slowdown.value - 1)
         return LoadDecision(max(first, step.drop_to), step)
 
     def _ends(self, front: int, x: int, remaining: int, C: float, L: float,
@@ -256,13 +285,15 @@ class LoadPlanner:
                 return FrontStep(min(remaining, self.max_num_tokens), landed_from)
             return FrontStep(0, 0)
         L, latency = rate
-        # the front's share x: they end together, busy + overhead + work(front, x) / C =
+        # the front's share x: they end together, busy + f (overhead + work(front, x) / C) =
         # latency + (R - x) / L (a forward's fixed cost on one side, the load's first-block
-        # latency on the other): a2 x^2 + a1 x + a0 = 0, its positive root in a form stable
-        # at a2 = 0 (a forward's launches bound it from below: checked on the share found)
-        a2 = self.attention_weight / (2 * C)
-        a1 = (1 + self.attention_weight * front) / C + 1 / L
-        a0 = busy + self.prefill_overhead_s - latency - remaining / L
+        # latency on the other; f the front's slowdown beside a load): a2 x^2 + a1 x + a0 =
+        # 0, its positive root in a form stable at a2 = 0 (a forward's launches bound it
+        # from below: checked on the share found)
+        f = self._slowdown()
+        a2 = f * self.attention_weight / (2 * C)
+        a1 = f * (1 + self.attention_weight * front) / C + 1 / L
+        a0 = busy + f * self.prefill_overhead_s - latency - remaining / L
         exact = -2 * a0 / (a1 + math.sqrt(max(a1 * a1 - 4 * a2 * a0, 0.0)))
         if remaining - exact < bs:  # the load would not add a block: compute it all
             return FrontStep(min(remaining, self.max_num_tokens), landed_from)
@@ -335,60 +366,5 @@ class LoadPlanner:
             return min(L, num_pending / overdue), 0.0
         return L, -overdue
 
-    # -- the last run's rates ------------------------------------------------------------
-
-    def save(self, path: Path) -> None:
-        """Keep the measured rates for the next engine of the same model and pool."""
-        rates = {name: getattr(self, name).value for name in RATES}
-        if all(v is None for v in rates.values()):
-            return
-        rates["prefill_overhead_s"] = self.prefill_overhead_s
-        rates["prefill_launch_s"] = self.prefill_launch_s
-        rates["prefill_unit"] = PREFILL_UNIT
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(rates))
-            os.replace(tmp, path)
-            _prune(path.parent)
-        except OSError as e:  # a cache that cannot be written costs a start-up, nothing more
-            log.debug("rates not saved to %s: %s", path, e)
-
-    def restore(self, path: Path) -> None:
-        """Start from the rates a previous engine saved (none, or unreadable: measure anew)."""
-        try:
-            rates = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
-        if not isinstance(rates, dict):
-            return
-        same_unit = rates.get("prefill_unit") == PREFILL_UNIT  # (a prefill rate counted in
-        # another unit is measured anew)
-        for name in (n for n in RATES if same_unit or n != "prefill_tps"):
-            value = rates.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                getattr(self, name).add(float(value))
-        for name in ("prefill_overhead_s", "prefill_launch_s"):  # (seconds: at most 1)
-            value = rates.get(name)
-            if same_unit and isinstance(value, (int, float)) and not isinstance(value, bool):
-                setattr(self, name, min(max(float(value), 0.0), 1.0))
-
     def stats(self) -> dict[str, float]:
         return {key: getattr(self, name).value or 0.0 for name, key in RATES.items()}
-
-
-def _prune(folder: Path) -> None:
-    """Keep the MAX_RATE_FILES newest rate files of `folder`."""
-    files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in files[MAX_RATE_FILES:]:
-        old.unlink(missing_ok=True)
-
-
-def rates_path(config, ctx) -> Path:
-    """Where the rates of engines of this model, device and connector (its options, the
-    pool's directory among them; a ConnectorConfig and a ConnectorContext) are kept
-    between runs (the newest MAX_RATE_FILES files are kept)."""
-    what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
-                       config.scheduler_class, config.worker_class,
-                       sorted((k, repr(v)) for k, v in config.options.items())])
-    return cache_dir() / "rates" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"

@@ -30,9 +30,10 @@ from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheReg
                                    RequestData, SchedulerOutput)
 from shoal.engine.connector_calls import ConnectorCalls, request_view
 from shoal.engine.deadlines import Deadlines
-from shoal.engine.load_split import LoadPlanner, rates_path
+from shoal.engine.load_split import LoadPlanner
 from shoal.engine.peers import Agreement
 from shoal.engine.pending_load import HIT_COUNTERS, LandedLoad, PendingLoad
+from shoal.engine.rates_file import rates_path, restore_rates, save_rates
 from shoal.engine.transfer_poll import (TransferOutcome, TransferPlan, TransferPoller,
                                         TransferReport)
 from shoal.kv.block_pool import BlockPool
@@ -58,7 +59,7 @@ class KVTransfers:
         self._rates_path = rates_path(config, ctx)
         # rates kept between runs where loads can be split (an engine loading whole teaches too)
         if self.calls.partial_loads and self.calls.agreement.is_lead:
-            self.planner.restore(self._rates_path)
+            restore_rates(self.planner, self._rates_path)
         self._loads: dict[str, PendingLoad] = {}  # pending loads: blocks held, never preempted
         self._landed: dict[str, LandedLoad] = {}  # loads done, the front not there yet
         self._saving: dict[str, Request] = {}  # SAVING: finished, blocks held for a save
@@ -395,5 +396,5 @@ class KVTransfers:
 
     def shutdown(self) -> None:
         if self.calls.partial_loads and self.calls.agreement.is_lead and self.failure is None:
-            self.planner.save(self._rates_path)
+            save_rates(self.planner, self._rates_path)
         self.calls.shutdown()

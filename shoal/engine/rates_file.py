@@ -1,0 +1,75 @@
+"""The load planner's measured rates, kept between runs: an engine of the same model,
+device and connector starts from the last run's rates instead of measuring them anew
+(one small JSON file each, in the cache's `rates/` folder; the newest MAX_RATE_FILES are
+kept)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from shoal.engine.load_split import RATES, LoadPlanner
+from shoal.model.presets import cache_dir
+
+log = logging.getLogger(__name__)
+
+MAX_RATE_FILES = 64  # the newest kept: one per pool directory, and temporary pools come and go
+PREFILL_UNIT = "work"  # the prefill rate's unit in a rates file (files before it: tokens)
+SECONDS = ("prefill_overhead_s", "prefill_launch_s")  # a planner's plain fields (at most 1 s)
+
+
+def rates_path(config, ctx) -> Path:
+    """Where the rates of engines of this model, device and connector (its options, the
+    pool's directory among them; a ConnectorConfig and a ConnectorContext) are kept."""
+    what = json.dumps([ctx.namespace, ctx.device, ctx.num_owners, config.name, config.module,
+                       config.scheduler_class, config.worker_class,
+                       sorted((k, repr(v)) for k, v in config.options.items())])
+    return cache_dir() / "rates" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"
+
+
+def save_rates(planner: LoadPlanner, path: Path) -> None:
+    """Keep the planner's measured rates for the next engine of the same model and pool."""
+    rates = {name: getattr(planner, name).value for name in RATES}
+    if all(v is None for v in rates.values()):
+        return
+    rates.update({name: getattr(planner, name) for name in SECONDS})
+    rates["prefill_unit"] = PREFILL_UNIT
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rates))
+        os.replace(tmp, path)
+        _prune(path.parent)
+    except OSError as e:  # a cache that cannot be written costs a start-up, nothing more
+        log.debug("rates not saved to %s: %s", path, e)
+
+
+def restore_rates(planner: LoadPlanner, path: Path) -> None:
+    """Start the planner from the rates a previous engine saved (none, or unreadable:
+    measure anew)."""
+    try:
+        rates = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(rates, dict):
+        return
+    # a prefill rate (and its seconds) counted in another unit is measured anew
+    same_unit = rates.get("prefill_unit") == PREFILL_UNIT
+    for name in (n for n in RATES if same_unit or n != "prefill_tps"):
+        value = rates.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            getattr(planner, name).add(float(value))
+    for name in SECONDS:
+        value = rates.get(name)
+        if same_unit and isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(planner, name, min(max(float(value), 0.0), 1.0))
+
+
+def _prune(folder: Path) -> None:
+    """Keep the MAX_RATE_FILES newest rate files of `folder`."""
+    files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in files[MAX_RATE_FILES:]:
+        old.unlink(missing_ok=True)
