@@ -39,6 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache (default auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no captured decode or short-prefill graphs)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, as --dp/--tp ranks are (the "
+                   "server's HTTP and detokenizing then never hold the engine's GIL)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,7 +49,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, max_batch_size=args.max_batch_size,
                 max_num_tokens=args.max_num_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_gb=args.kv_cache_gb, overlap_scheduler=not args.no_overlap,
-                device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
+                device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                engine_process=args.engine_process)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: never replay captured graphs (decode, short prefill)
     dp_size: int = 1  # attention data-parallel ranks
     tp_size: int = 1  # tensor-parallel ranks
+    # one rank's engine in a process of its own (as tp/dp ranks are), driven over a pipe:
+    # the caller's Python (a server's HTTP, detokenizing) never holds the engine's GIL
+    engine_process: bool = False
     kv_connector: ConnectorConfig | None = None  # the KV pool connector; None = no pool
 
     def __post_init__(self) -> None:
@@ -47,7 +50,8 @@ class EngineConfig:
         if (isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))
                 or not math.isfinite(self.kv_cache_gb) or self.kv_cache_gb <= 0):
             raise ValueError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb!r}")
-        for name in ("overlap_scheduler", "enable_prefix_caching", "enforce_eager"):
+        for name in ("overlap_scheduler", "enable_prefix_caching", "enforce_eager",
+                     "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

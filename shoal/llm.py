@@ -40,7 +40,7 @@ class LLM:
         if kv_pool is not None:
             config["kv_connector"] = pool_connector(kv_pool)
         self.config = EngineConfig(model=model, **config)  # unknown keywords: TypeError
-        if self.config.tp_size > 1 or self.config.dp_size > 1:
+        if self.config.tp_size > 1 or self.config.dp_size > 1 or self.config.engine_process:
             from shoal.parallel.fleet import Fleet
             self._engine: EngineLike | None = Fleet(self.config)
         else:  # a connector hook that never returns fails the handles instead of hanging

@@ -76,7 +76,7 @@ def test_serve_on_an_address_it_cannot_take_is_one_line_and_exit_1():
 SERVE_OPTIONS = {
     "--model", "--dp", "--tp", "--kv-pool", "--block-size", "--max-batch-size",
     "--max-num-tokens", "--num-kv-blocks", "--kv-cache-gb", "--no-overlap", "--device",
-    "--dtype", "--enforce-eager", "--host", "--port", "--served-model-name",
+    "--dtype", "--enforce-eager", "--engine-process", "--host", "--port", "--served-model-name",
     "--shutdown-grace", "--access-log", "--api-key", "--max-body-bytes",
     "--max-concurrent-requests", "--max-queue", "--read-timeout"}
 
@@ -107,11 +107,11 @@ def test_engine_flags_reach_the_engine_config():
         "serve", "--dp", "2", "--tp", "3", "--kv-pool", "/p", "--block-size", "8",
         "--max-batch-size", "4", "--max-num-tokens", "64", "--num-kv-blocks", "32",
         "--kv-cache-gb", "0.5", "--no-overlap", "--device", "cuda:1", "--dtype", "bfloat16",
-        "--enforce-eager"])
+        "--enforce-eager", "--engine-process"])
     assert _engine_kwargs(args) == dict(
         kv_pool="/p", dp_size=2, tp_size=3, block_size=8, max_batch_size=4, max_num_tokens=64,
         num_kv_blocks=32, kv_cache_gb=0.5, overlap_scheduler=False, device="cuda:1",
-        dtype="bfloat16", enforce_eager=True)
+        dtype="bfloat16", enforce_eager=True, engine_process=True)
     # without flags: EngineConfig's own defaults
     defaults = {f.name: f.default for f in fields(EngineConfig)}
     kwargs = _engine_kwargs(build_parser().parse_args(["serve"]))
@@ -267,6 +267,23 @@ def test_bench_structured_runs_free_and_constrained(grammar):
     assert result["free_decode_tokens_per_s"] > 0 and result["constrained_over_free"] > 0
     r = shoal("bench", "structured", "--model", "random:smollm2-135m")
     assert r.returncode == 2 and "tokenizer" in r.stderr
+
+
+def test_bench_serve_with_an_engine_process(smollm2_path):
+    """`shoal bench serve`: its servers (here with --engine-process) with the pool off, on
+    and restarted on it, and the library, all answer every request; the restart finds the
+    first phases' prefixes in the pool."""
+    r = shoal("bench", "serve", "--model", smollm2_path, "--engine-process", "--clients", "2",
+              "--docs", "1", "--doc-tokens", "96", "--questions", "2", "--chats", "1",
+              "--turns", "2", "--max-tokens", "4", "--num-kv-blocks", "256")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["requests"] == 4  # 2 questions + 2 turns
+    assert result["cached_share_warm"] > result["cached_share_off"]
+    assert result["ttft_p50_on_over_off"] > 0 and result["tpot_p50_server_over_library"] > 0
+    rows = {line.split("  ")[0]: line.split()[-12] for line in r.stdout.splitlines()[1:-1]}
+    assert rows == {"pool off": "4", "decode (server)": "4", "pool on": "4",
+                    "warm restart": "4", "library": "4", "decode (library)": "4"}
 
 
 @pytest.mark.extended  # the tier's test runs a random checkpoint too

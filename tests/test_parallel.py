@@ -91,6 +91,32 @@ def test_killed_rank_stops_the_fleet_within_bound(tiny_models, mode):
     llm.shutdown()
 
 
+def test_an_engine_process_equals_the_engine_in_process(tiny_models, prompts):
+    """engine_process=True: one rank in a process of its own, driven over its pipe (a
+    server's Python then never holds the engine's GIL): the same tokens, greedy and seeded,
+    the same stats and integrity check, streams, a cancel; no process left after."""
+    model = str(tiny_models["gqa_tied"])
+    seeded = [SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=i) for i in range(6)]
+    with LLM(model, engine_process=True, block_size=4, num_kv_blocks=128) as llm:
+        assert type(llm.engine).__name__ == "Fleet" and len(llm.engine._procs) == 1
+        outs = llm.generate(prompts, SP)
+        sampled = llm.generate(prompts, seeded)
+        streamed = list(llm.submit(prompts[3], SamplingParams(max_tokens=8)).stream())
+        long = llm.submit(prompts[0], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        long.cancel()
+        assert long.result(timeout=60).finish_reason == "cancelled"
+        llm.check_integrity()
+        stats = llm.stats()
+        procs = list(llm.engine._procs)
+    assert [o.token_ids for o in outs] == single_rank(model, prompts)
+    assert [o.token_ids for o in sampled] == single_rank(model, prompts, seeded)
+    assert streamed == outs[3].token_ids[:8]
+    assert stats["prompt_tokens"] >= sum(map(len, prompts)) and len(stats["per_rank"]) == 1
+    assert [p.is_alive() for p in procs] == [False]
+    with pytest.raises(ValueError, match="engine_process must be True or False"):
+        LLM(model, engine_process="yes")
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(tp_size=0), "tp_size"), (dict(dp_size=0), "dp_size"),
     (dict(tp_size=17), "more ranks than allowed"), (dict(tp_size=3), "must divide"),

@@ -294,7 +294,8 @@ def run_serve_bench(args) -> int:
         print(json.dumps({"bench": "serve", "url": args.url, **result}))
         return 0
     engine = ["--num-kv-blocks", str(args.num_kv_blocks), "--dp", str(args.dp),
-              "--device", args.device, "--served-model-name", args.served_model_name]
+              "--device", args.device, "--served-model-name", args.served_model_name,
+              *(["--engine-process"] if args.engine_process else [])]
     rows = []
     pool = tempfile.mkdtemp(prefix="shoal-bench-serve-")
     try:

@@ -65,6 +65,9 @@ ENGINE_GAUGES = (
      "Measured rate of loads from the worker's host memory (0: not measured yet)"),
     ("pool_host_load_latency_seconds", "host_load_latency_s",
      "Measured time to the first landed block of a load from host memory"),
+    ("pool_front_slowdown", "front_slowdown",
+     "How much slower a pool hit's front runs beside its load than alone, as measured "
+     "(0: not measured yet)"),
 )
 
 
