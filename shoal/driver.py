@@ -196,6 +196,7 @@ class Driver:
             self._idle.clear()  # fn may add work
             self._ops.put((fn, fut))
         self._wake.set()
+        self.engine.wake()  # a step waiting for a fleet's ranks returns
         if self._error is not None:  # the driver failed meanwhile: nobody runs it
             self._run_ops(self._error)
             self._idle.set()

@@ -51,7 +51,8 @@ class LLM:
 
     @property
     def engine(self):
-        """The engine (one rank) or the fleet of rank processes (tp_size > 1)."""
+        """The engine (one rank) or the fleet of rank processes (tp_size or dp_size > 1, or
+        engine_process)."""
         if self._engine is None:
             raise RuntimeError("this LLM has been shut down")
         return self._engine

@@ -57,6 +57,21 @@ def test_tiny_llama_on_cuda_matches_transformers(tiny_models, overlap):
     assert [o.token_ids for o in outs] == expected
 
 
+def test_an_engine_process_on_cuda_equals_the_engine_in_process(tiny_models):
+    """engine_process=True on a GPU (on the last card: its rank keeps the device it was
+    given, not cuda:<rank>; with CUDA graphs): the tokens are the in-process engine's."""
+    path = str(tiny_models["gqa_tied"])
+    prompts = random_prompts(512, [1, 5, 17, 40, 90])
+    kw = dict(device=f"cuda:{torch.cuda.device_count() - 1}", dtype="float32", block_size=4,
+              num_kv_blocks=128)
+    with LLM(path, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24))]
+    with LLM(path, engine_process=True, **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24))
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == expected
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_moe_and_latent_attention_on_cuda_match_transformers(tiny_moe_models, name, tmp_path):
     """float32 on the GPU: routed and shared experts; MLA's absorbed decode in the Triton
@@ -364,7 +379,8 @@ def test_compute_while_loading_on_cuda(tiny_models, tmp_path, source):
         planner.prefill_tps.value, planner.load_tps.value = 2000.0, 2000.0
         planner.load_latency_s.value = planner.prefill_overhead_s = 0.0
         planner.prefill_launch_s = 0.0
-        planner.observe_prefill = planner.observe_load = lambda *a, **k: None
+        planner.observe_prefill = planner.observe_load = planner.observe_front = lambda *a, **k: None
+        planner.front_slowdown.value = None
         if source == "tier":
             llm.generate(prompts, sp)
         outs = llm.generate(prompts, sp)

@@ -81,13 +81,26 @@ def test_a_front_measured_slow_beside_its_load_makes_the_next_hits_load_whole():
     p.prefill_launch_s, p.min_gain = 0.0057, MIN_SPLIT_GAIN
     first = p.admit(0, 508).first.num_tokens
     assert 1000 < first < 1400  # the split the H100 run made
-    p.observe_front([(0, first)], 0.0163)
-    assert p.front_slowdown.value == pytest.approx(0.0163 / max(0.0057, first / 217_000))
+    p.observe_front([(0, first)], 0.0163)  # averaged from 1 (no slowdown): one step is half
+    assert p.front_slowdown.value == pytest.approx(
+        (1 + 0.0163 / max(0.0057, first / 217_000)) / 2)
     hits = 0
     while p.admit(0, 508).first.num_tokens == 0:
         hits += 1
         assert hits < 100
     assert 10 <= hits <= 60
+    # a hit computed (a slowdown that makes a front dearer than computing it all) takes its
+    # share away too: a slow store's split is tried again, not left to the slowdown forever
+    r = planner(prefill=217_000.0, load=150_000.0)
+    r.prefill_launch_s, r.min_gain = 0.0057, MIN_SPLIT_GAIN
+    assert r.admit(0, 508).first.num_tokens > 0
+    r.front_slowdown.value = 8.0
+    assert r.admit(0, 508).first is None  # computed
+    hits = 1
+    while (d := r.admit(0, 508)).first is None or d.first.num_tokens == 0:
+        hits += 1
+        assert hits < 100
+    assert r.front_slowdown.value < 8.0
     # a front no slower than the model says teaches nothing slower than 1
     q = planner(prefill=217_000.0, load=1_150_000.0)
     q.observe_front([(0, 4096)], 0.001)
@@ -109,7 +122,7 @@ def test_a_step_teaches_the_prefill_rate_alone_and_the_front_s_slowdown_beside_a
     assert p.prefill_tps.value == pytest.approx(150_000.0) and p.front_slowdown.value is None
     p.observe_step(batch([(0, 1500, "a"), (9, 1, "b")], loading=["a"]), 0.02)  # a's front
     assert p.prefill_tps.value == pytest.approx(150_000.0)
-    assert p.front_slowdown.value == pytest.approx(0.02 / (1501 / 150_000.0))
+    assert p.front_slowdown.value == pytest.approx((1 + 0.02 / (1501 / 150_000.0)) / 2)
     slowdown = p.front_slowdown.value
     # decodes, or another request's chunk while a load is pending: neither
     p.observe_step(batch([(100 + i, 1, str(i)) for i in range(64)]), 0.005)
@@ -341,6 +354,11 @@ def test_rates_are_kept_for_the_next_run(tmp_path):
     assert (q.host_load_tps.value, q.host_load_latency_s.value) == (789.0, 0.25)
     assert q.prefill_overhead_s == 0.01 and q.prefill_launch_s == 0.02
     assert q.front_slowdown.value == 2.5
+    for saved, restored in ((100.0, 8.0), (0.5, 1.0)):  # a ratio: kept within [1, 8]
+        path.write_text(json.dumps({"front_slowdown": saved}))
+        r = planner()
+        restore_rates(r, path)
+        assert r.front_slowdown.value == restored
     # a file from before the prefill rate was counted in work: its load rates only
     path.write_text(json.dumps({"prefill_tps": 123.0, "prefill_overhead_s": 0.01,
                                 "load_tps": 456.0}))

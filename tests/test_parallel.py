@@ -117,6 +117,35 @@ def test_an_engine_process_equals_the_engine_in_process(tiny_models, prompts):
         LLM(model, engine_process="yes")
 
 
+def test_an_engine_process_refuses_a_bad_request_and_wakes_for_the_driver(
+        tiny_models, prompts, monkeypatch):
+    """A request that could never run (structured output with no stop token) is a
+    ValueError at the front, as in process, and the engine goes on; a step waiting for the
+    rank's results returns as soon as the driver queues work (`wake`), not after its poll."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shoal import StructuredOutput
+    from shoal.parallel import fleet as fleet_module
+
+    model = str(tiny_models["gqa_tied"])
+    bad = SamplingParams(max_tokens=4, ignore_eos=True, structured_output=StructuredOutput(
+        regex="[ab]+"))
+    with LLM(model, engine_process=True, block_size=4, num_kv_blocks=128) as llm:
+        with pytest.raises(ValueError, match="needs (a stop token|the model's tokenizer)"):
+            llm.generate(prompts[:1], bad)
+        assert [o.token_ids for o in llm.generate(prompts, SP)] == single_rank(model, prompts)
+        fleet = llm.engine
+        monkeypatch.setattr(fleet_module, "POLL_SECONDS", 60.0)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(fleet.step)  # nothing will come back from the rank
+            with pytest.raises(TimeoutError):
+                waiting.result(timeout=0.2)
+            start = time.monotonic()
+            fleet.wake()
+            assert not waiting.result(timeout=30)  # an empty result, long before 60 s
+            assert time.monotonic() - start < 30
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(tp_size=0), "tp_size"), (dict(dp_size=0), "dp_size"),
     (dict(tp_size=17), "more ranks than allowed"), (dict(tp_size=3), "must divide"),

@@ -73,6 +73,7 @@ class EngineLike(Protocol):
     def check_integrity(self) -> None: ...
     def drain(self) -> StepResult: ...
     def shutdown(self) -> None: ...
+    def wake(self) -> None: ...  # the driver queued work: a step waiting for ranks returns
 
 
 @dataclass
@@ -156,15 +157,8 @@ class Engine:
             raise ValueError(f"request_id {rid!r} is already in use")
         new.check_vocab(self.info.vocab_size)
         sampling = new.sampling
-        stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_token_ids)
-        if sampling.structured_output is not None:
-            if not self.tokenizer.is_available:
-                raise ValueError("SamplingParams.structured_output needs the model's tokenizer "
-                                 "(this checkpoint has none)")
-            if not stop:
-                raise ValueError("SamplingParams.structured_output needs a stop token to end "
-                                 "with: the model's eos (ignore_eos=False) or stop_token_ids")
-        req = Request(rid, list(new.prompt_token_ids), sampling, frozenset(stop),
+        stop = stop_ids(sampling, self.eos_token_ids, self.tokenizer)
+        req = Request(rid, list(new.prompt_token_ids), sampling, stop,
                       cache_salt=new.cache_salt, prompt=new.prompt)
         try:
             self.scheduler.add(req)
@@ -176,6 +170,9 @@ class Engine:
             self._rejected.append(req)
         self._live[rid] = req
         return rid
+
+    def wake(self) -> None:
+        """Nothing to do: a step never waits for the driver's queued work."""
 
     def cancel(self, request_id: str) -> None:
         """End a request as "cancelled" (no-op if unknown or already ended). With a pending
@@ -386,3 +383,18 @@ class Engine:
             self._forward.shutdown(wait=not failed)
         if self.transfers is not None:
             self.transfers.shutdown()
+
+
+def stop_ids(sampling, eos_token_ids, tokenizer: Tokenizer) -> frozenset[int]:
+    """A request's stop tokens (SamplingParams `sampling`); ValueError for structured output
+    that could never run (no tokenizer) or end (no stop token). Checked where requests
+    arrive: here, and at a fleet's front (a rank never sees a request that cannot run)."""
+    stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+    if sampling.structured_output is not None:
+        if not tokenizer.is_available:
+            raise ValueError("SamplingParams.structured_output needs the model's tokenizer "
+                             "(this checkpoint has none)")
+        if not stop:
+            raise ValueError("SamplingParams.structured_output needs a stop token to end "
+                             "with: the model's eos (ignore_eos=False) or stop_token_ids")
+    return frozenset(stop)

@@ -65,9 +65,9 @@ UNKNOWN_LOAD_WAIT = 0.05
 # TTFT: 0.13x of the cold one without a margin, 0.14-0.16x with 10%)
 MIN_SPLIT_GAIN = 0.1
 # a front's forward beside its load, against the model's estimate of it alone: measured from
-# the front's steps (`observe_front`), at most this much slower; each hit loaded whole
-# takes this share of the slowdown away (else a front once measured slow would never be
-# computed, or measured, again)
+# the front's steps (`observe_front`; averaged from 1, so one stalled step is not all of
+# it), at most this much slower; each hit not split takes this share of the slowdown away
+# (else a front once measured slow would never be computed, or measured, again)
 MAX_FRONT_SLOWDOWN = 8.0
 SLOWDOWN_DECAY = 0.1
 # the planner's rates (attribute, also its name in a rates file) -> their stats() key
@@ -195,6 +195,7 @@ class LoadPlanner:
         if C and sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS:
             alone = max(self.prefill_launch_s, self.prefill_overhead_s
                         + sum(self.work(s, n) for s, n in chunks) / C)
+            self.front_slowdown.value = self.front_slowdown.value or 1.0
             self.front_slowdown.add(min(max(seconds / alone, 1.0), MAX_FRONT_SLOWDOWN))
 
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,
@@ -238,6 +239,13 @@ class LoadPlanner:
     def admit(self, first: int, end: int, host_share: float = 0.0) -> LoadDecision:
         """A hit of blocks [first, end) of a request that can compute while loading,
         `host_share` of it expected from host memory."""
+        decision = self._admit(first, end, host_share)
+        if (decision.first is None or not decision.first.num_tokens) and self.front_slowdown.value:
+            # not split: what a front would cost is not measured again by this hit
+            self.front_slowdown.value = 1 + (1 - SLOWDOWN_DECAY) * (self.front_slowdown.value - 1)
+        return decision
+
+    def _admit(self, first: int, end: int, host_share: float) -> LoadDecision:
         front, remaining = first * self.block_size, (end - first) * self.block_size
         step = self.front_step(front, first, end, end, None, 0.0, host_share)
         if step.drop_to >= end:  # computing it all is faster: nothing is loaded
@@ -251,8 +259,6 @@ class LoadPlanner:
         if C is not None and rate is not None and (
                 self.work(front, remaining) / C < self._ends(front, share, remaining, C, *rate)):
             return LoadDecision(end, None)
-        if not step.num_tokens and self.front_slowdown.value:  # loaded whole
-            self.front_slowdown.value = 1 + (1 - SLOWDOWN_DECAY) * (self.front_slowdown.value - 1)
         return LoadDecision(max(first, step.drop_to), step)
 
     def _ends(self, front: int, x: int, remaining: int, C: float, L: float,

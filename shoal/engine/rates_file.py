@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from shoal.engine.load_split import RATES, LoadPlanner
+from shoal.engine.load_split import MAX_FRONT_SLOWDOWN, RATES, LoadPlanner
 from shoal.model.presets import cache_dir
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ def restore_rates(planner: LoadPlanner, path: Path) -> None:
     for name in (n for n in RATES if same_unit or n != "prefill_tps"):
         value = rates.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if name == "front_slowdown":  # a ratio: from 1 (none) to the most counted
+                value = min(max(value, 1.0), MAX_FRONT_SLOWDOWN)
             getattr(planner, name).add(float(value))
     for name in SECONDS:
         value = rates.get(name)

@@ -28,8 +28,9 @@ class Tokenizer:
         if self._loaded is None:
             try:
                 self._loaded = self._load()
-            except ValueError as e:
-                self._error = e
+            except ValueError as e:  # kept without its traceback, whose frames (the
+                # caller's too: an engine being built or adding a request) it would keep alive
+                self._error = ValueError(str(e))
                 raise
         return self._loaded
 

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorError
 from shoal.connectors.registry import resolve_connector
-from shoal.engine.engine import RATE_STATS
+from shoal.engine.engine import RATE_STATS, stop_ids
 from shoal.model.llama import check_shardable
 from shoal.model.loader import load_model_config, load_tokenizer_only
 from shoal.parallel import messages as msg
@@ -82,10 +82,13 @@ class Fleet:
         from shoal.parallel.rank import rank_main
 
         self.config = config
-        self.mode = "tp" if config.tp_size > 1 else "adp"
+        # (one rank of its own, `engine_process`: as TP's rank 0, which steps only with work)
+        self.mode = "adp" if config.dp_size > 1 else "tp"
         self.world_size = max(config.tp_size, config.dp_size)
-        check_shardable(load_model_config(config.model), self.world_size,
+        model_config = load_model_config(config.model)
+        check_shardable(model_config, self.world_size,
                         "tp_size" if self.mode == "tp" else "dp_size")
+        self._eos = frozenset(model_config.eos_token_ids)
         if config.kv_connector is not None:  # a bad connector fails before any process starts
             resolve_connector(config.kv_connector, attention_dp=self.mode == "adp")
         self.tokenizer = load_tokenizer_only(config.model)
@@ -103,6 +106,8 @@ class Fleet:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(proc)
+        # written to by `wake`: a step waiting for the ranks returns (the driver has work)
+        self._woken, self._waker = mp.Pipe(duplex=False)
         self._ids = itertools.count()
         self._router = Router(self.world_size, config.block_size)
         self._owner: dict[str, int] = {}  # rid -> owner rank (TP: 0), until it comes back
@@ -133,6 +138,7 @@ class Fleet:
         if rid in self._owner:
             raise ValueError(f"request_id {rid!r} is already in use")
         new.check_vocab(self.info.vocab_size)  # the ranks never see a bad prompt
+        stop_ids(sampling, self._eos, self.tokenizer)  # nor one that cannot run
         # TP: rank 0 takes every request; ADP: the router picks one owner
         owner = 0 if self.mode == "tp" else self._router.assign(new.prompt_token_ids)
         self._owner[rid] = owner
@@ -169,6 +175,13 @@ class Fleet:
             if isinstance(m, msg.Results):
                 result.merge(self._returned(m.result))
         return result
+
+    def wake(self) -> None:
+        """The driver queued work: a `step` waiting for the ranks' results returns now."""
+        try:
+            self._waker.send_bytes(b"")
+        except OSError:  # shut down
+            pass
 
     def stats(self) -> dict:
         for rank in self._control_ranks:
@@ -208,7 +221,7 @@ class Fleet:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        for conn in self._conns:
+        for conn in (*self._conns, self._woken, self._waker):
             conn.close()
 
     # -- internals ---------------------------------------------------------------------
@@ -242,9 +255,13 @@ class Fleet:
     def _receive(self, timeout: float) -> list[msg.ToFront]:
         """Messages ready within `timeout`; raises FleetError if a rank died or failed."""
         sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
-        ready = wait([*self._conns, *sentinels], timeout)
+        ready = wait([*self._conns, *sentinels, self._woken], timeout)
         messages = []
         for obj in ready:
+            if obj is self._woken:
+                while self._woken.poll():
+                    self._woken.recv_bytes()
+                continue
             if obj in sentinels:
                 continue  # handled below, after reading what the rank said before dying
             while obj.poll():

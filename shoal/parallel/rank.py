@@ -47,7 +47,7 @@ def join_group(rank: int, world_size: int, mode: str, config: EngineConfig, init
     config (on CUDA one GPU per rank: cuda:<local_rank>). Spawned fleets and torchrun."""
     cuda = config.device.startswith("cuda")
     comm = Comm(rank, world_size, "nccl" if cuda else "gloo", init_method)
-    if cuda:
+    if cuda and world_size > 1:  # (a rank of its own keeps the GPU it was given)
         config = replace(config, device=f"cuda:{local_rank}")
     if mode == "tp":  # heads and MLP sharded; every rank the same requests
         peers = Peers(Topology(rank, world_size, shard_rank=rank, num_shards=world_size),
