@@ -243,6 +243,9 @@ def test_cancel_expiring_the_grace(tiny_model, prompts, warm_pool, dp, overlap, 
     cfg = faulty(warm_pool, {"load_polls": -1}, abort=abort, timeout=600)  # never loads
     llm = make_llm(tiny_model, cfg, dp, overlap)
     h = llm.submit(prompts[0], SP)
+    deadline = time.monotonic() + BOUND
+    while llm.stats()["pool_hit_blocks"] == 0:  # its load is pending (admitted with its hit:
+        assert time.monotonic() < deadline  # a cancel before that ends it at once)
     start = time.monotonic()
     h.cancel()
     if abort:  # aborted once the grace is over: the request ends as cancelled

@@ -1037,3 +1037,29 @@ def test_fatal_connector_failure_is_503(tiny_model, tmp_path):
             llm.shutdown()
         except RuntimeError as e:  # the connector's error, said again
             assert "injected fault" in str(e)
+
+
+def test_tokens_queued_together_make_one_delta(smollm2):
+    """Several steps' tokens waiting in a response's queue (the loop or the client fell
+    behind) go out as one delta per choice, their text whole, before the choice's end."""
+    import asyncio
+
+    from shoal.serving.detokenizer import TextStream
+    from shoal.serving.generation import Choice, ChoiceQueue, Generation
+    from shoal.serving.metrics import ServerMetrics
+
+    prompt = smollm2.tokenizer.encode("The lighthouse keeper said")
+    handle = smollm2.submit(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    out = handle.result(timeout=60)  # ended: the deltas' end finds its output
+
+    async def deltas(steps: list[list[int]]):
+        queue = ChoiceQueue()
+        choice = Choice(0, 0, prompt, handle, TextStream(smollm2.tokenizer, prompt, []),
+                        time.perf_counter())
+        for ids in steps:  # all queued before the reader looks
+            queue.put_nowait((0, ids, None, time.perf_counter()))
+        queue.put_nowait((0, None, None, time.perf_counter()))
+        return [d async for d in Generation([choice], queue, ServerMetrics("m")).deltas()]
+
+    together = asyncio.run(deltas([[t] for t in out.token_ids]))
+    assert [(d.text, d.finish_reason) for d in together] == [(out.text, None), ("", "length")]
