@@ -196,7 +196,9 @@ class Driver:
             self._idle.clear()  # fn may add work
             self._ops.put((fn, fut))
         self._wake.set()
-        self.engine.wake()  # a step waiting for a fleet's ranks returns
+        engine = self.engine  # (None once stopped: the future fails below)
+        if engine is not None:
+            engine.wake()  # a step waiting for a fleet's ranks returns
         if self._error is not None:  # the driver failed meanwhile: nobody runs it
             self._run_ops(self._error)
             self._idle.set()

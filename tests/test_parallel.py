@@ -131,8 +131,11 @@ def test_an_engine_process_refuses_a_bad_request_and_wakes_for_the_driver(
     bad = SamplingParams(max_tokens=4, ignore_eos=True, structured_output=StructuredOutput(
         regex="[ab]+"))
     with LLM(model, engine_process=True, block_size=4, num_kv_blocks=128) as llm:
-        with pytest.raises(ValueError, match="needs (a stop token|the model's tokenizer)"):
+        with pytest.raises(ValueError, match="needs the model's tokenizer"):
             llm.generate(prompts[:1], bad)
+        # the fleet's own check (the LLM's front checks first): the rank never sees it
+        with pytest.raises(ValueError, match="needs the model's tokenizer"):
+            llm._driver.call(lambda fleet: fleet.add(NewRequest(prompts[0], bad)))
         assert [o.token_ids for o in llm.generate(prompts, SP)] == single_rank(model, prompts)
         fleet = llm.engine
         monkeypatch.setattr(fleet_module, "POLL_SECONDS", 60.0)
@@ -144,6 +147,11 @@ def test_an_engine_process_refuses_a_bad_request_and_wakes_for_the_driver(
             fleet.wake()
             assert not waiting.result(timeout=30)  # an empty result, long before 60 s
             assert time.monotonic() - start < 30
+            # an idle fleet's wakes are not read: they must not fill the pipe (a write to a
+            # full one would block whoever queued work, e.g. every /metrics poll)
+            many = pool.submit(lambda: [fleet.wake() for _ in range(100_000)])
+            many.result(timeout=30)
+            assert not pool.submit(fleet.step).result(timeout=30)  # one wake waited, read here
 
 
 @pytest.mark.parametrize("kwargs, needle", [

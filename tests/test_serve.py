@@ -1045,6 +1045,7 @@ def test_tokens_queued_together_make_one_delta(smollm2):
     import asyncio
 
     from shoal.serving.detokenizer import TextStream
+    from shoal.serving.errors import ApiError
     from shoal.serving.generation import Choice, ChoiceQueue, Generation
     from shoal.serving.metrics import ServerMetrics
 
@@ -1063,3 +1064,18 @@ def test_tokens_queued_together_make_one_delta(smollm2):
 
     together = asyncio.run(deltas([[t] for t in out.token_ids]))
     assert [(d.text, d.finish_reason) for d in together] == [(out.text, None), ("", "length")]
+
+    async def aborted():  # the server stops with tokens waiting: they go out before the error
+        queue = ChoiceQueue()
+        choice = Choice(0, 0, prompt, handle, TextStream(smollm2.tokenizer, prompt, []),
+                        time.perf_counter())
+        for t in out.token_ids:
+            queue.put_nowait((0, [t], None, time.perf_counter()))
+        queue.abort(ApiError(503, "stopping"))
+        got = []
+        with pytest.raises(ApiError):
+            async for d in Generation([choice], queue, ServerMetrics("m")).deltas():
+                got.append(d.text)
+        return got
+
+    assert asyncio.run(aborted()) == [out.text]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def restore_rates(planner: LoadPlanner, path: Path) -> None:
         value = rates.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if name == "front_slowdown":  # a ratio: from 1 (none) to the most counted
-                value = min(max(value, 1.0), MAX_FRONT_SLOWDOWN)
+                value = min(max(value, 1.0), MAX_FRONT_SLOWDOWN) if math.isfinite(value) else 1.0
             getattr(planner, name).add(float(value))
     for name in SECONDS:
         value = rates.get(name)

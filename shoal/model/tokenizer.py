@@ -19,24 +19,26 @@ class Tokenizer:
     def __init__(self, tokenizer_dir: Path, gguf_file: str | None, checksum: str):
         self._dir, self._gguf_file, self._checksum = tokenizer_dir, gguf_file, checksum
         self._loaded = None
-        self._error: ValueError | None = None
+        self._error: str | None = None  # why it could not be loaded
 
     @property
     def _tok(self):
-        if self._error is not None:
-            raise self._error
+        if self._error is not None:  # a fresh one each time: an error kept with a traceback
+            # keeps its frames alive, and their callers' (an engine being built or shut down)
+            raise ValueError(self._error)
         if self._loaded is None:
             try:
                 self._loaded = self._load()
-            except ValueError as e:  # kept without its traceback, whose frames (the
-                # caller's too: an engine being built or adding a request) it would keep alive
-                self._error = ValueError(str(e))
+            except ValueError as e:
+                self._error = str(e)
                 raise
         return self._loaded
 
     @property
     def is_available(self) -> bool:
         """False for checkpoints without tokenizer files (token-id prompts still work)."""
+        if self._error is not None:
+            return False
         try:
             self._tok
         except ValueError:

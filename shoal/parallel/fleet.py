@@ -106,8 +106,11 @@ class Fleet:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(proc)
-        # written to by `wake`: a step waiting for the ranks returns (the driver has work)
+        # written to by `wake`: a step waiting for the ranks returns (the driver has work);
+        # one wake at most waits in it (an idle fleet's pipe is not read: it never fills)
         self._woken, self._waker = mp.Pipe(duplex=False)
+        self._wake_lock = threading.Lock()
+        self._wake_sent = False
         self._ids = itertools.count()
         self._router = Router(self.world_size, config.block_size)
         self._owner: dict[str, int] = {}  # rid -> owner rank (TP: 0), until it comes back
@@ -178,10 +181,11 @@ class Fleet:
 
     def wake(self) -> None:
         """The driver queued work: a `step` waiting for the ranks' results returns now."""
-        try:
+        with self._wake_lock:  # (held while writing: `shutdown` closes the pipe under it)
+            if self._wake_sent or self._closed:
+                return
+            self._wake_sent = True
             self._waker.send_bytes(b"")
-        except OSError:  # shut down
-            pass
 
     def stats(self) -> dict:
         for rank in self._control_ranks:
@@ -221,8 +225,9 @@ class Fleet:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        for conn in (*self._conns, self._woken, self._waker):
-            conn.close()
+        with self._wake_lock:  # no wake writes meanwhile
+            for conn in (*self._conns, self._woken, self._waker):
+                conn.close()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -261,6 +266,8 @@ class Fleet:
             if obj is self._woken:
                 while self._woken.poll():
                     self._woken.recv_bytes()
+                with self._wake_lock:  # (after the read: a wake meanwhile finds this step
+                    self._wake_sent = False  # returning, its op runs after it)
                 continue
             if obj in sentinels:
                 continue  # handled below, after reading what the rank said before dying

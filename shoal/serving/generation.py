@@ -96,32 +96,33 @@ class Generation:
                     items.append(self.queue.get_nowait())
                 pending: dict[int, list] = {}  # choice index -> logprob entries not sent
                 for index, token_ids, logprobs, when in items:
+                    if index is not ABORTED and token_ids is not None:
+                        pending.setdefault(index, []).extend(
+                            self._add(self.choices[index], token_ids, logprobs, when))
+                        continue
+                    # an end or an error: the text before it goes first (an end may raise)
+                    for delta in self._deltas(pending):
+                        yield delta
                     if index is ABORTED:
                         raise token_ids  # the server stops: ApiError(503)
-                    choice = self.choices[index]
-                    if token_ids is not None:
-                        pending.setdefault(index, []).extend(
-                            self._add(choice, token_ids, logprobs, when))
-                        continue
-                    if index in pending:  # its text before its end
-                        delta = self._delta(choice, pending.pop(index))
-                        if delta is not None:
-                            yield delta
                     remaining -= 1
-                    yield self._end(choice, when)
-                for index, entries in pending.items():
-                    delta = self._delta(self.choices[index], entries)
-                    if delta is not None:
-                        yield delta
+                    yield self._end(self.choices[index], when)
+                for delta in self._deltas(pending):
+                    yield delta
         finally:
             for choice in self.choices:
                 choice.cancel()
 
-    @staticmethod
-    def _delta(choice: Choice, entries: list) -> Delta | None:
-        """The choice's text that may be sent now, with the logprobs of its tokens."""
-        text = choice.text.take()
-        return Delta(choice, text, entries, None) if text or entries else None
+    def _deltas(self, pending: dict[int, list]) -> list[Delta]:
+        """Each pending choice's text that may be sent now, with the logprobs of its tokens
+        (`pending`: choice index -> those logprobs; emptied)."""
+        deltas = []
+        for index, entries in pending.items():
+            text = self.choices[index].text.take()
+            if text or entries:
+                deltas.append(Delta(self.choices[index], text, entries, None))
+        pending.clear()
+        return deltas
 
     def usage(self) -> Usage:
         """Prompts counted once (their first choice's cache hits), every choice's tokens."""
