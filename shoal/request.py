@@ -148,6 +148,24 @@ class NewRequest:
                 raise ValueError(f"SamplingParams.logit_bias: token id {t} is outside the "
                                  f"model's vocabulary [0, {vocab_size})")
 
+    def stop_ids(self, eos_token_ids, tokenizer) -> frozenset[int]:
+        """The request's stop tokens (the model's `eos_token_ids` unless ignore_eos);
+        ValueError for structured output that could never run (`tokenizer` not available)
+        or end (no stop token). Checked where requests arrive, as check_vocab: an engine,
+        and a fleet's front (a rank never sees a request that cannot run)."""
+        sampling = self.sampling
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop |= set(eos_token_ids)
+        if sampling.structured_output is not None:
+            if not tokenizer.is_available:
+                raise ValueError("SamplingParams.structured_output needs the model's tokenizer "
+                                 "(this checkpoint has none)")
+            if not stop:
+                raise ValueError("SamplingParams.structured_output needs a stop token to end "
+                                 "with: the model's eos (ignore_eos=False) or stop_token_ids")
+        return frozenset(stop)
+
 
 def token_id_list(ids) -> list[int]:
     """A prompt given as token ids, as a list of ints: a list, tuple or range of Python or

@@ -379,7 +379,8 @@ def test_compute_while_loading_on_cuda(tiny_models, tmp_path, source):
         planner.prefill_tps.value, planner.load_tps.value = 2000.0, 2000.0
         planner.load_latency_s.value = planner.prefill_overhead_s = 0.0
         planner.prefill_launch_s = 0.0
-        planner.observe_prefill = planner.observe_load = planner.observe_front = lambda *a, **k: None
+        planner.observe_prefill = planner.observe_load = planner.observe_front = (
+            lambda *a, **k: None)
         planner.front_slowdown.value = None
         if source == "tier":
             llm.generate(prompts, sp)

@@ -157,7 +157,7 @@ class Engine:
             raise ValueError(f"request_id {rid!r} is already in use")
         new.check_vocab(self.info.vocab_size)
         sampling = new.sampling
-        stop = stop_ids(sampling, self.eos_token_ids, self.tokenizer)
+        stop = new.stop_ids(self.eos_token_ids, self.tokenizer)
         req = Request(rid, list(new.prompt_token_ids), sampling, stop,
                       cache_salt=new.cache_salt, prompt=new.prompt)
         try:
@@ -383,18 +383,3 @@ class Engine:
             self._forward.shutdown(wait=not failed)
         if self.transfers is not None:
             self.transfers.shutdown()
-
-
-def stop_ids(sampling, eos_token_ids, tokenizer: Tokenizer) -> frozenset[int]:
-    """A request's stop tokens (SamplingParams `sampling`); ValueError for structured output
-    that could never run (no tokenizer) or end (no stop token). Checked where requests
-    arrive: here, and at a fleet's front (a rank never sees a request that cannot run)."""
-    stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
-    if sampling.structured_output is not None:
-        if not tokenizer.is_available:
-            raise ValueError("SamplingParams.structured_output needs the model's tokenizer "
-                             "(this checkpoint has none)")
-        if not stop:
-            raise ValueError("SamplingParams.structured_output needs a stop token to end "
-                             "with: the model's eos (ignore_eos=False) or stop_token_ids")
-    return frozenset(stop)

@@ -168,10 +168,13 @@ class LoadPlanner:
         loads were pending). One mostly of prefill measures the prefill rate if no load was
         pending (a load's I/O threads slow the steps they overlap), and the fronts' slowdown
         beside their loads if loading requests' fronts were most of it."""
+        if batch.num_tokens == len(batch.chunks):  # decodes only (the steady state: at once)
+            return
         prefill = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
         if 2 * prefill < batch.num_tokens:  # decodes say little of the prefill rate
             return
-        chunks, loading = [(c.start, c.num_tokens) for c in batch.chunks], batch.transfers.loading_ids
+        chunks = [(c.start, c.num_tokens) for c in batch.chunks]
+        loading = batch.transfers.loading_ids
         if not loading:
             self.observe_prefill(chunks, seconds)
         elif 2 * sum(c.num_tokens for c in batch.chunks

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorError
 from shoal.connectors.registry import resolve_connector
-from shoal.engine.engine import RATE_STATS, stop_ids
+from shoal.engine.engine import RATE_STATS
 from shoal.model.llama import check_shardable
 from shoal.model.loader import load_model_config, load_tokenizer_only
 from shoal.parallel import messages as msg
@@ -141,7 +141,7 @@ class Fleet:
         if rid in self._owner:
             raise ValueError(f"request_id {rid!r} is already in use")
         new.check_vocab(self.info.vocab_size)  # the ranks never see a bad prompt
-        stop_ids(sampling, self._eos, self.tokenizer)  # nor one that cannot run
+        new.stop_ids(self._eos, self.tokenizer)  # nor one that cannot run
         # TP: rank 0 takes every request; ADP: the router picks one owner
         owner = 0 if self.mode == "tp" else self._router.assign(new.prompt_token_ids)
         self._owner[rid] = owner
