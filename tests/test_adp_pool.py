@@ -51,7 +51,8 @@ def test_adp_persistent_pool_round_trip(tiny_model, tmp_path, workload, overlap)
     (produced, p_stats), (consumed, c_stats) = runs
     assert [o.token_ids for o in produced] == expected
     assert [o.token_ids for o in consumed] == expected
-    assert all(o.num_connector_tokens >= 40 for o in consumed)
+    # each busy owner loads the shared blocks once; its later requests hit them locally
+    assert all(o.num_connector_tokens + o.num_local_prefix_tokens >= 40 for o in consumed)
     busy = [s for s in c_stats["per_rank"] if s["prompt_tokens"] > 0]
     assert len(busy) == min(2, len(prompts))
     assert all(s["connector_tokens_loaded"] > 0 for s in busy)  # every busy owner loaded

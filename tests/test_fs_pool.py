@@ -85,10 +85,13 @@ def test_restart_persistence_across_processes(tiny_model, workload, baseline, tm
     assert producer["stats"]["blocks_saved"] == 11 and producer["stats"]["pool_hit_blocks"] == 0
     consumer = run_process(tiny_model, pool, workload)
     assert consumer["tokens"] == baseline
-    assert consumer["loaded"] == [40, 44, 40]  # every full prompt block but the last token's
+    # the first request loads the shared 40 tokens; the two arriving with it wait for that
+    # load and hit it locally (the second loads its one block past it)
+    assert consumer["loaded"] == [40, 4, 0]
     s = consumer["stats"]
-    assert s["pool_hit_blocks"] == 31 and s["pool_miss_blocks"] == 0
-    assert s["connector_tokens_loaded"] == 124 and s["bytes_loaded"] > 0
+    assert s["pool_hit_blocks"] == 11 and s["pool_miss_blocks"] == 0
+    assert s["connector_tokens_loaded"] == 44 and s["bytes_loaded"] > 0
+    assert s["local_prefix_hit_tokens"] == 80
     assert s["blocks_saved"] == 0  # nothing new to save
 
 
@@ -110,6 +113,30 @@ def test_local_prefix_and_pool_together(tiny_model, tmp_path, overlap, load_mode
     assert (first.num_local_prefix_tokens, first.num_connector_tokens) == (0, 16)
     # 45 tokens: blocks 4..10 come from the pool (y and the first full block of the tail)
     assert (second.num_local_prefix_tokens, second.num_connector_tokens) == (16, 28)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_requests_arriving_together_load_a_shared_prefix_once(tiny_model, workload, tmp_path,
+                                                               split):
+    """Four requests on one pooled prefix arrive in one step: the first one's hit brings the
+    prefix in (loaded whole, or computed from the front while the back loads); the others
+    wait for it and hit it locally. None loads it again."""
+    prompts = [workload[0][:40] + t for t in random_prompts(512, [5, 7, 2, 9], seed=21)]
+    with LLM(tiny_model, **KW) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SP)]
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, workload[:1])  # the shared 40 tokens: 10 blocks
+    cfg = ConnectorConfig(name="fs", options={"root": str(pool)}, compute_while_loading=split)
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        outs = llm.generate(prompts, SP)
+        llm.check_integrity()
+        s = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    hit = outs[0].pool_hit
+    assert hit is not None and hit.num_matched_tokens == 40
+    assert hit.num_front_tokens + hit.num_loaded_tokens == 40
+    assert [(o.num_local_prefix_tokens, o.pool_hit) for o in outs[1:]] == [(40, None)] * 3
+    assert s["pool_hit_blocks"] == 10 and s["connector_tokens_loaded"] == hit.num_loaded_tokens
 
 
 def _corrupt(path: Path, kind: str, tiny_pool: Path) -> None:

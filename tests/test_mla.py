@@ -134,8 +134,13 @@ def test_a_fresh_adp_fleet_loads_latent_blocks_from_the_pool(v3, expected_v3, tm
             llm.check_integrity()
             stats = llm.stats()
         assert [o.token_ids for o in outs] == want, run
-        loaded = sum(s["connector_tokens_loaded"] for s in stats["per_rank"])
-        assert (loaded >= 3 * 24) == (run == "load"), loaded
+        loaded = [s["connector_tokens_loaded"] for s in stats["per_rank"]]
+        if run == "load":  # each owner loads the shared 24 tokens once (its later requests
+            # hit them locally) and every request starts past them
+            assert min(loaded) >= 24, loaded
+            assert all(o.num_connector_tokens + o.num_local_prefix_tokens >= 24 for o in outs)
+        else:
+            assert loaded == [0, 0], loaded
     with LLM(str(v3), dp_size=2, kv_connector=cfg, **KW) as llm:
         alone = llm.generate(prompts[1:2], SP)[0]
         ranks = llm.stats()["per_rank"]

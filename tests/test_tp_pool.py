@@ -56,7 +56,9 @@ def test_tp_round_trip_saves_and_loads_every_shard(model, prompts, expected, tmp
     produced, _, p_stats, ns = run_tp(model, tmp_path, prompts, overlap)
     consumed, outs, c_stats, _ = run_tp(model, tmp_path, prompts, overlap)
     assert produced == expected and consumed == expected
-    assert all(o.num_connector_tokens >= 40 for o in outs)
+    # the first request loads the shared blocks; the others hit them locally once landed
+    assert outs[0].num_connector_tokens >= 40
+    assert all(o.num_connector_tokens + o.num_local_prefix_tokens >= 40 for o in outs)
     saved = [s["blocks_saved"] for s in p_stats["per_rank"]]
     loaded = [s["blocks_loaded"] for s in c_stats["per_rank"]]
     assert saved[0] == saved[1] > 0 and loaded[0] == loaded[1] > 0  # each rank its shard

@@ -333,5 +333,6 @@ def run_serve_bench(args) -> int:
         "tpot_p50_server_over_library":
             by["decode (server)"]["tpot_p50"] / by["decode (library)"]["tpot_p50"],
         "cached_share_off": off["cached_share"], "cached_share_warm": warm["cached_share"],
-        "target_ttft_ratio": 0.1, "target_tpot_ratio": 1.05}))
+        # issue 25's and 26's targets (on a GPU; the warm one with 1B-shape 8k documents)
+        "target_on_over_off": 1.05, "target_warm_over_off": 0.5, "target_tpot_ratio": 1.1}))
     return 0

@@ -107,6 +107,11 @@ class PendingLoad:
                 self.first_landed = time.monotonic()
             self.last_landed = progress.last_landed_at
 
+    def brings_in(self, i: int, key: bytes, block_size: int) -> bool:
+        """Block i of the hit, keyed `key` (the same tokens up to its end), is this load's."""
+        return (self.num_cached // block_size <= i < self.end_block(block_size)
+                and self.request.block_keys[i] == key)
+
     def landed_start(self, block_size: int) -> int:
         """Tokens: where the finished load's landed blocks begin (the front computed the
         rest)."""
@@ -122,3 +127,16 @@ class LandedLoad:
     start: int  # tokens: where the landed blocks begin (the front computes up to here)
     num_ok: int  # tokens with valid KV once the front is there
     num_cached: int  # tokens of the local prefix hit (the front began there)
+    request: Request
+
+    def credit(self) -> int:
+        """The front has reached the landed blocks: the request's hit (and its connector
+        tokens) says what was computed and what loaded. Returns the front's tokens."""
+        hit = self.request.pool_hit
+        hit.num_front_tokens = self.start - self.num_cached
+        hit.num_loaded_tokens = self.request.num_connector_tokens = self.num_ok - self.start
+        return hit.num_front_tokens
+
+    def brings_in(self, i: int, key: bytes, block_size: int) -> bool:  # (as PendingLoad's)
+        return (self.num_cached // block_size <= i < self.num_ok // block_size
+                and self.request.block_keys[i] == key)

@@ -110,6 +110,7 @@ class Scheduler:
             if req in self.running:  # not preempted: it waits for blocks
                 i += 1
         transfers = self.transfers
+        behind: list[Request] = []  # waiting for another request's hit of their next block
         while (self.waiting and budget > 0 and not num_preempted
                and len(self.running) < self.max_batch_size):
             req = self.waiting[0]
@@ -118,6 +119,10 @@ class Scheduler:
             computes_all = req.sampling.prompt_logprobs is not None
             hits = [] if computes_all else self.kv.find_cached_prefix(req)
             num_cached = len(hits) * self.kv.block_size
+            if (transfers and not computes_all and self.kv.enable_prefix_caching
+                    and transfers.brings_in(req, num_cached)):
+                behind.append(self.waiting.popleft())  # (its place in the queue kept)
+                continue
             num_external = transfers.match(req, num_cached) if transfers and not computes_all else 0
             num_new = min(req.num_tokens - num_cached, budget)
             # the blocks of a pool hit are allocated with it (its loads' destinations)
@@ -136,6 +141,7 @@ class Scheduler:
             if num_new > 0:
                 chunks.append(self._make_chunk(req, num_new))
                 budget -= num_new
+        self.waiting.extendleft(reversed(behind))
         plan = transfers.plan(chunks) if transfers else NO_TRANSFERS
         return ScheduledBatch(chunks, self.max_num_tokens - budget, plan)
 

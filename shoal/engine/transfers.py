@@ -1,17 +1,16 @@
 """KVTransfers: the engine's one owner of KV transfers (and, through ConnectorCalls, the
 only caller of a connector).
 
-Everything about a transfer lives here: which requests wait for a load (WAITING_FOR_LOAD)
-or hold their blocks for a save (SAVING), save episodes, pinned blocks, deadlines, aborts,
-cancels that wait for a load, and the failure policy. The scheduler asks a few questions
-(`match`, `admit`, `plan`, `apply`, `on_preempt`, `on_finish`, `defer_cancel`) and each
-step carries one `TransferPlan`. The hooks' order in a step: docs/connectors.md.
+Everything about a transfer lives here: requests waiting for a load or holding their
+blocks for a save (SAVING), save episodes, pinned blocks, deadlines, aborts, cancels that
+wait for a load, the failure policy. The scheduler asks (`match`, `admit`, `brings_in`,
+`plan`, `apply`, `on_preempt`, `on_finish`, `defer_cancel`); each step carries one
+`TransferPlan`. The hooks' order in a step: docs/connectors.md.
 
-When are a request's blocks freed? A loading request keeps them (it is in no batch and
-never preempted) until its load is reported; a finished request whose save is pending
-keeps them (SAVING) until the save is reported; a preempted request's blocks are pinned
-(an extra reference) until its save episode ends, because saves already enqueued may
-still read them. Under TP, answers and polls are agreed over the ranks (`Agreement`).
+When are blocks freed? A loading request keeps them until its load is reported; a
+finished request whose save is pending, until the save is reported (SAVING); a preempted
+request's are pinned until its save episode ends (saves enqueued may still read them).
+Under TP, answers and polls are agreed over the ranks (`Agreement`).
 
 Failure policy (SPEC 6): a contract violation is fatal, as are a hook that raises or
 blocks (shoal.engine.connector_calls) and a transfer past its deadline
@@ -34,8 +33,7 @@ from shoal.engine.load_split import LoadPlanner
 from shoal.engine.peers import Agreement
 from shoal.engine.pending_load import HIT_COUNTERS, LandedLoad, PendingLoad
 from shoal.engine.rates_file import rates_path, restore_rates, save_rates
-from shoal.engine.transfer_poll import (TransferOutcome, TransferPlan, TransferPoller,
-                                        TransferReport)
+from shoal.engine.transfer_poll import TransferOutcome, TransferPlan, TransferPoller, TransferReport
 from shoal.kv.block_pool import BlockPool
 from shoal.request import PoolHit, Request, RequestStatus
 
@@ -144,12 +142,20 @@ class KVTransfers:
         self.deadlines.start(req.request_id)
         return True
 
+    def brings_in(self, req: Request, num_cached: int) -> bool:
+        """Another request's hit in flight (loading, or landed and its front not there yet)
+        brings in the block after `req`'s local prefix hit: `req` waits and hits it locally
+        (32 requests on 4 documents in the pool, arriving together, loaded each one 8x)."""
+        i = num_cached // self.ctx.block_size
+        return i < len(req.block_keys) and any(
+            hit.brings_in(i, req.block_keys[i], self.ctx.block_size)
+            for hit in (*self._loads.values(), *self._landed.values()))
+
     def front_tokens(self, req: Request, limit: int) -> int | None:
-        """Tokens the request's front may compute this step, at most `limit` (what the step
-        has room for: a front's forward is booked for no more); None: no load bounds it.
-        While its load is pending the front stays below every block the load may write,
-        and the blocks it reaches next are dropped from the load a step ahead; once the
-        load is done, the front computes up to the landed blocks (`take_landed` then)."""
+        """Tokens the request's front may compute this step, at most `limit` (the step's
+        room); None: no load bounds it. While the load is pending the front stays below
+        the blocks it may write (those it reaches next are dropped from it a step ahead);
+        once it is done, the front computes up to the landed blocks (then `take_landed`)."""
         rid, front = req.request_id, req.num_computed_tokens
         load = self._loads.get(rid)
         if load is None:
@@ -190,11 +196,7 @@ class KVTransfers:
         if landed is None or req.num_computed_tokens < landed.start:
             return None
         del self._landed[req.request_id]
-        hit = req.pool_hit
-        hit.num_front_tokens = landed.start - landed.num_cached
-        hit.num_loaded_tokens = landed.num_ok - landed.start
-        req.num_connector_tokens = hit.num_loaded_tokens
-        self._counts["front_tokens_computed"] += hit.num_front_tokens
+        self._counts["front_tokens_computed"] += landed.credit()
         return landed.num_ok
 
     def plan(self, chunks) -> TransferPlan:
@@ -249,7 +251,7 @@ class KVTransfers:
                 out.ended.append((load.request, "cancelled" if load.is_cancelled else "error",
                                   None if load.is_cancelled else error))
             else:
-                self._landed[rid] = LandedLoad(start, num_ok, load.num_cached)
+                self._landed[rid] = LandedLoad(start, num_ok, load.num_cached, load.request)
         for rid in sorted(report.finished_saving):
             epoch = plan.save_epochs.get(rid)
             if epoch is None or self._save_epochs.get(rid) != epoch:
@@ -303,8 +305,7 @@ class KVTransfers:
         return True
 
     def is_cancelling(self, request_id: str) -> bool:
-        load = self._loads.get(request_id)
-        return load is not None and load.is_cancelled
+        return getattr(self._loads.get(request_id), "is_cancelled", False)
 
     def defer_cancel(self, req: Request) -> bool:
         """A cancel: True if the request's load is pending (it ends once the load drains;
@@ -367,8 +368,8 @@ class KVTransfers:
         return agreement.share(decide() if agreement.is_lead else None)
 
     def _drop(self, req: Request, num_blocks: int) -> None:
-        self.calls.ask("drop_loads", lambda s: s.drop_loads(request_view(req, self.ctx), num_blocks), None,
-                       req.request_id)
+        self.calls.ask("drop_loads", lambda s: s.drop_loads(request_view(req, self.ctx),
+                                                            num_blocks), None, req.request_id)
 
     def _request_data(self, req: Request, token_ids, computed: int, num_scheduled: int,
                       block_ids: list[int]) -> tuple[RequestData, bool]:
@@ -391,8 +392,7 @@ class KVTransfers:
         self.calls.fail(what, request_id)
 
     def stats(self) -> dict[str, float]:
-        return {**self.calls.stats(), **self._counts, **self.poller.counts,
-                **self.planner.stats()}
+        return {**self.calls.stats(), **self._counts, **self.poller.counts, **self.planner.stats()}
 
     def shutdown(self) -> None:
         if self.calls.partial_loads and self.calls.agreement.is_lead and self.failure is None:
