@@ -107,3 +107,23 @@ def test_a_front_is_booked_for_what_its_step_has_room_for():
     booked = p.front_busy_until - start
     assert booked == pytest.approx(transfers.planner.compute_seconds(0, 12), abs=0.01)
     assert booked < transfers.planner.compute_seconds(0, 32) / 2
+
+
+def test_which_blocks_a_hit_in_flight_brings_in():
+    """A pending load brings in the blocks of its hit (after the local prefix), keyed as the
+    request keys them; a cancelled one brings in nothing (it lands nothing for others); a
+    landed one, the blocks up to where its valid KV ends (a failed block and the rest are
+    the request's own to recompute)."""
+    from types import SimpleNamespace
+
+    from shoal.engine.pending_load import LandedLoad
+
+    keys = [bytes([i]) * 8 for i in range(12)]
+    req = SimpleNamespace(block_keys=keys, pool_hit=None)
+    pending = PendingLoad(req, 8, 36, PoolHit("load", 36), False, 2, 11, 2)
+    assert [pending.brings_in(i, keys[i], BS) for i in range(12)] == [False] * 2 + [True] * 9 + [False]
+    assert not pending.brings_in(5, b"other!!!", BS)  # another prefix: other keys
+    pending.is_cancelled = True
+    assert not any(pending.brings_in(i, keys[i], BS) for i in range(12))
+    landed = LandedLoad(start=8, num_ok=24, num_cached=8, request=req)
+    assert [landed.brings_in(i, keys[i], BS) for i in range(12)] == [False] * 2 + [True] * 4 + [False] * 6

@@ -1079,3 +1079,45 @@ def test_tokens_queued_together_make_one_delta(smollm2):
         return got
 
     assert asyncio.run(aborted()) == [out.text]
+
+
+
+def test_every_connection_sends_small_writes_at_once():
+    """Connections accepted from `shoal serve`'s listening socket have Nagle's algorithm off
+    (with it on, each request of a kept-alive client waited ~40 ms for a delayed ACK)."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from shoal.serving.process import listen
+    from shoal.serving.read_timeout import ReadTimeoutProtocol
+
+    seen = []
+
+    class Probe(ReadTimeoutProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    config = uvicorn.Config(app, lifespan="off")
+    config.load()
+
+    async def one_request() -> bytes:
+        state = ServerState()
+        listener = await asyncio.get_running_loop().create_server(
+            lambda: Probe(config, state, {}), sock=listen("127.0.0.1", 0))
+        port = listener.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        listener.close()
+        await listener.wait_closed()
+        return head
+
+    assert asyncio.run(one_request()).startswith(b"HTTP/1.1 200")
+    assert seen and all(seen)

@@ -108,8 +108,10 @@ class PendingLoad:
             self.last_landed = progress.last_landed_at
 
     def brings_in(self, i: int, key: bytes, block_size: int) -> bool:
-        """Block i of the hit, keyed `key` (the same tokens up to its end), is this load's."""
-        return (self.num_cached // block_size <= i < self.end_block(block_size)
+        """Block i of the hit, keyed `key` (the same tokens up to its end), is this load's
+        (a cancelled load lands nothing for others)."""
+        return (not self.is_cancelled
+                and self.num_cached // block_size <= i < self.end_block(block_size)
                 and self.request.block_keys[i] == key)
 
     def landed_start(self, block_size: int) -> int:

@@ -112,7 +112,8 @@ class Scheduler:
         transfers = self.transfers
         behind: list[Request] = []  # waiting for another request's hit of their next block
         while (self.waiting and budget > 0 and not num_preempted
-               and len(self.running) < self.max_batch_size):
+               and len(self.running) < self.max_batch_size
+               and len(behind) < self.max_batch_size):  # (each one skipped costs a lookup)
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0 and not req.block_ids, req.request_id
             # prompt logprobs need every prompt position computed: no hit serves them

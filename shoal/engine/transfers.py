@@ -146,8 +146,8 @@ class KVTransfers:
         """Another request's hit in flight (loading, or landed and its front not there yet)
         brings in the block after `req`'s local prefix hit: `req` waits and hits it locally
         (32 requests on 4 documents in the pool, arriving together, loaded each one 8x)."""
-        i = num_cached // self.ctx.block_size
-        return i < len(req.block_keys) and any(
+        i = num_cached // self.ctx.block_size  # (never the last token's block: no hit has it)
+        return i < min(len(req.block_keys), (req.num_tokens - 1) // self.ctx.block_size) and any(
             hit.brings_in(i, req.block_keys[i], self.ctx.block_size)
             for hit in (*self._loads.values(), *self._landed.values()))
 
