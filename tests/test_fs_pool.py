@@ -139,6 +139,33 @@ def test_requests_arriving_together_load_a_shared_prefix_once(tiny_model, worklo
     assert s["pool_hit_blocks"] == 10 and s["connector_tokens_loaded"] == hit.num_loaded_tokens
 
 
+def test_a_request_does_not_wait_for_its_last_token_s_block(tiny_model, workload, tmp_path,
+                                                            monkeypatch):
+    """B is the shared 40 tokens, 10 whole blocks: no hit covers its last token's block (9),
+    so it does not wait for A's load of block 9: it computes it itself."""
+    from shoal.engine.transfers import KVTransfers
+
+    shared = workload[0][:40]
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, [workload[0]])  # the shared prefix: blocks 0-9
+    asked = []
+    brings_in = KVTransfers.brings_in
+
+    def spy(self, req, num_cached):
+        answer = brings_in(self, req, num_cached)
+        asked.append((req.num_tokens, num_cached, answer))
+        return answer
+
+    monkeypatch.setattr(KVTransfers, "brings_in", spy)
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **KW) as llm:
+        llm.generate([shared[:36] + [1]], SP)  # blocks 0-8 cached locally
+        a, b = llm.generate([workload[0], shared], SP)
+        llm.check_integrity()
+    assert a.num_local_prefix_tokens == 36 and a.num_connector_tokens == 4
+    assert (b.num_local_prefix_tokens, b.num_connector_tokens) == (36, 0)
+    assert (40, 36, False) in asked and (40, 36, True) not in asked
+
+
 def _corrupt(path: Path, kind: str, tiny_pool: Path) -> None:
     data = path.read_bytes()
     if kind == "flipped_byte":

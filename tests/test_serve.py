@@ -1081,7 +1081,6 @@ def test_tokens_queued_together_make_one_delta(smollm2):
     assert asyncio.run(aborted()) == [out.text]
 
 
-
 def test_every_connection_sends_small_writes_at_once():
     """Connections accepted from `shoal serve`'s listening socket have Nagle's algorithm off
     (with it on, each request of a kept-alive client waited ~40 ms for a delayed ACK)."""
@@ -1103,21 +1102,29 @@ def test_every_connection_sends_small_writes_at_once():
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    config = uvicorn.Config(app, lifespan="off")
+    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False)
     config.load()
 
     async def one_request() -> bytes:
-        state = ServerState()
-        listener = await asyncio.get_running_loop().create_server(
-            lambda: Probe(config, state, {}), sock=listen("127.0.0.1", 0))
-        port = listener.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n")
-        head = await reader.readuntil(b"\r\n\r\n")
-        writer.close()
-        listener.close()
-        await listener.wait_closed()
-        return head
+        state, sock = ServerState(), listen("127.0.0.1", 0)
+        assert sock.proto == socket.IPPROTO_TCP
+        try:  # (as uvicorn serves the socket it is given: `sockets=[sock]`)
+            listener = await asyncio.get_running_loop().create_server(
+                lambda: Probe(config, state, {}), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            port = listener.sockets[0].getsockname()[1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+            await writer.wait_closed()
+            return head
+        finally:
+            listener.close()
+            await listener.wait_closed()
 
     assert asyncio.run(one_request()).startswith(b"HTTP/1.1 200")
     assert seen and all(seen)
