@@ -139,6 +139,28 @@ def test_requests_arriving_together_load_a_shared_prefix_once(tiny_model, worklo
     assert s["pool_hit_blocks"] == 10 and s["connector_tokens_loaded"] == hit.num_loaded_tokens
 
 
+def test_a_burst_larger_than_the_batch_waits_in_order_for_one_load(tiny_model, workload,
+                                                                   tmp_path):
+    """Six requests on one pooled prefix, room for two in the batch: the first loads the
+    prefix, the others wait for it (at most two passed over in a step) and are admitted in
+    the order they came, each hitting it locally."""
+    prompts = [workload[0][:40] + t for t in random_prompts(512, [5, 7, 2, 9, 3, 6], seed=23)]
+    kw = dict(KW, max_batch_size=2)
+    with LLM(tiny_model, **kw) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SP)]
+    pool = tmp_path / "pool"
+    produce(tiny_model, pool, workload[:1])
+    with LLM(tiny_model, kv_connector=whole_loads(pool), **kw) as llm:
+        outs = llm.generate(prompts, SP)
+        llm.check_integrity()
+        s = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].num_connector_tokens == 40 and s["connector_tokens_loaded"] == 40
+    assert [(o.num_local_prefix_tokens, o.num_connector_tokens) for o in outs[1:]] == [(40, 0)] * 5
+    admitted = [o.metrics.scheduled_time for o in outs]
+    assert admitted == sorted(admitted)
+
+
 def test_a_request_does_not_wait_for_its_last_token_s_block(tiny_model, workload, tmp_path,
                                                             monkeypatch):
     """B is the shared 40 tokens, 10 whole blocks: no hit covers its last token's block (9),
