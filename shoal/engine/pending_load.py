@@ -110,9 +110,8 @@ class PendingLoad:
     def brings_in(self, i: int, key: bytes, block_size: int) -> bool:
         """Block i of the hit, keyed `key` (the same tokens up to its end), is this load's
         (a cancelled load lands nothing for others)."""
-        return (not self.is_cancelled
-                and self.num_cached // block_size <= i < self.end_block(block_size)
-                and self.request.block_keys[i] == key)
+        return not self.is_cancelled and _holds(self.request, self.num_cached, self.end_token,
+                                                  i, key, block_size)
 
     def landed_start(self, block_size: int) -> int:
         """Tokens: where the finished load's landed blocks begin (the front computed the
@@ -140,5 +139,10 @@ class LandedLoad:
         return hit.num_front_tokens
 
     def brings_in(self, i: int, key: bytes, block_size: int) -> bool:  # (as PendingLoad's)
-        return (self.num_cached // block_size <= i < self.num_ok // block_size
-                and self.request.block_keys[i] == key)
+        return _holds(self.request, self.num_cached, self.num_ok, i, key, block_size)
+
+
+def _holds(request: Request, start: int, end: int, i: int, key: bytes, block_size: int) -> bool:
+    """Block i of `request`, keyed `key` (the same tokens up to its end), lies in the whole
+    blocks of its tokens [start, end)."""
+    return start // block_size <= i < end // block_size and request.block_keys[i] == key
