@@ -54,10 +54,10 @@ def pin_rates(llm: LLM, prefill: float, load: float, latency: float = 0.0) -> No
     p.prefill_tps.value, p.load_tps.value, p.load_latency_s.value = prefill, load, latency
     p.prefill_overhead_s = 0.0
     p.observe_prefill = p.observe_load = p.observe_front = lambda *a, **k: None
-    p.front_slowdown.value = None  # (one a rates file may have restored)
+    p.front_slowdown.value = p.load_slowdown.value = None  # (as a rates file may restore)
     # nor the load in flight: its own rate (landed / waited) is not taken for L either
     p._load_rate = lambda num_landed, waited, host_share, num_pending: (
-        load, max(latency - (waited or 0.0), 0.0))
+        load, max(latency - (waited or 0.0), 0.0), 1.0)
 
 
 def block_key(llm: LLM, prompt: list[int], i: int) -> bytes:

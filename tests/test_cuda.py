@@ -381,7 +381,7 @@ def test_compute_while_loading_on_cuda(tiny_models, tmp_path, source):
         planner.prefill_launch_s = 0.0
         planner.observe_prefill = planner.observe_load = planner.observe_front = (
             lambda *a, **k: None)
-        planner.front_slowdown.value = None
+        planner.front_slowdown.value = planner.load_slowdown.value = None
         if source == "tier":
             llm.generate(prompts, sp)
         outs = llm.generate(prompts, sp)

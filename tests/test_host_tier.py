@@ -553,7 +553,7 @@ def pin_load_rates(llm: LLM, prefill: float, store: float, host: float) -> None:
     p.load_latency_s.value = p.host_load_latency_s.value = 0.0
     p.prefill_overhead_s = 0.0
     p.observe_prefill = p.observe_load = p.observe_front = lambda *a, **k: None
-    p.front_slowdown.value = None  # (one a rates file may have restored)
+    p.front_slowdown.value = p.load_slowdown.value = None  # (as a rates file may restore)
 
 
 def test_a_hit_in_host_memory_is_loaded_where_one_from_files_is_computed(tiny_model, tmp_path):

@@ -109,6 +109,41 @@ def test_a_front_measured_slow_beside_its_load_makes_the_next_hits_load_whole():
     assert q.front_slowdown.value <= 8.0
 
 
+def test_a_split_s_load_teaches_its_slowdown_beside_the_front_not_the_store_s_rate():
+    """On an H100 a 1B hit of 8k tokens from files split 4,992 / 3,200: its load ran at 214k
+    tokens/s beside the front against 340k alone, and its front ran 1.74x its estimate.
+    Taught as the store's rate, the slow load made loading whole look slower, and every
+    next hit split again (0.81 of the recompute against 0.67 loaded whole). A split's load
+    teaches how much longer it takes beside a front; the store's rate stays what loads
+    alone measured, and after a split or two the hits load whole."""
+    p = planner(prefill=164_000.0, load=340_000.0)
+    p.min_gain = MIN_SPLIT_GAIN
+    splits = 0
+    while (d := p.admit(0, 512)).first.num_tokens:  # split, as the H100 run did
+        splits += 1
+        assert splits < 10, "splits forever"
+        front = d.first.num_tokens
+        p.observe_front([(0, front)], 1.74 * front / 164_000.0)
+        num_loaded = (512 - d.load_from) * BS
+        p.observe_load(num_loaded, num_loaded / 214_000.0, None, split=True)
+        assert p.load_tps.value == 340_000.0  # the store's rate: as loads alone measured it
+    assert 1 <= splits <= 3 and d.load_from == 0  # then loaded whole
+    assert 1.2 < p.load_slowdown.value < 340 / 214  # (a hit loaded whole takes a share away)
+    p.load_slowdown.value = None
+    num_loaded = 3200
+    # a load planned whole that the front overtook teaches the store's rate, as before
+    p.observe_load(num_loaded, num_loaded / 100_000.0, None)
+    assert p.load_tps.value == pytest.approx((340_000.0 + 100_000.0) / 2)
+    # a split's load no slower than alone teaches nothing below 1; one never measured alone
+    # teaches the store's rate (there is nothing to weigh it against)
+    q = planner(prefill=164_000.0, load=340_000.0)
+    q.observe_load(4096, 4096 / 1e9, None, split=True)
+    assert q.load_slowdown.value == 1.0
+    r = planner(prefill=164_000.0)
+    r.observe_load(4096, 4096 / 214_000.0, None, split=True)
+    assert r.load_tps.value == pytest.approx(214_000.0) and r.load_slowdown.value is None
+
+
 def test_a_step_teaches_the_prefill_rate_alone_and_the_front_s_slowdown_beside_a_load():
     from types import SimpleNamespace as NS
 
@@ -346,19 +381,19 @@ def test_rates_are_kept_for_the_next_run(tmp_path):
     p.prefill_overhead_s = 0.01
     p.prefill_launch_s = 0.02
     p.host_load_tps.value, p.host_load_latency_s.value = 789.0, 0.25
-    p.front_slowdown.value = 2.5
+    p.front_slowdown.value, p.load_slowdown.value = 2.5, 1.5
     save_rates(p, path)
     q = planner()
     restore_rates(q, path)
     assert (q.prefill_tps.value, q.load_tps.value, q.load_latency_s.value) == (123.0, 456.0, 0.5)
     assert (q.host_load_tps.value, q.host_load_latency_s.value) == (789.0, 0.25)
     assert q.prefill_overhead_s == 0.01 and q.prefill_launch_s == 0.02
-    assert q.front_slowdown.value == 2.5
+    assert q.front_slowdown.value == 2.5 and q.load_slowdown.value == 1.5
     for saved, restored in ((100.0, 8.0), (0.5, 1.0)):  # a ratio: kept within [1, 8]
-        path.write_text(json.dumps({"front_slowdown": saved}))
+        path.write_text(json.dumps({"front_slowdown": saved, "load_slowdown": saved}))
         r = planner()
         restore_rates(r, path)
-        assert r.front_slowdown.value == restored
+        assert r.front_slowdown.value == r.load_slowdown.value == restored
     # a file from before the prefill rate was counted in work: its load rates only
     path.write_text(json.dumps({"prefill_tps": 123.0, "prefill_overhead_s": 0.01,
                                 "load_tps": 456.0}))

@@ -42,8 +42,9 @@ def test_a_load_is_measured_by_when_its_blocks_landed_not_by_the_polls():
     p.started = 100.0
     p.take_progress(LoadProgress(7, 9, first_landed_at=100.02, last_landed_at=100.02), BS)
     p.take_progress(LoadProgress(7, 7, first_landed_at=100.02, last_landed_at=100.05), BS)
-    tokens, seconds, first, _ = p.measured(28)
+    tokens, seconds, first, _, split = p.measured(28)
     assert tokens == 12 and seconds == pytest.approx(0.05) and first == pytest.approx(0.02)
+    assert split  # (the hit was planned as a split)
 
 
 def test_without_the_worker_s_times_the_polls_count():

@@ -725,7 +725,8 @@ def test_metrics_names(server):
                  "shoal:prefill_tokens_per_second", "shoal:pool_load_tokens_per_second",
                  "shoal:pool_load_latency_seconds", "shoal:pool_hit_host_tokens_total",
                  "shoal:pool_host_load_tokens_per_second",
-                 "shoal:pool_host_load_latency_seconds", "shoal:pool_front_slowdown"):
+                 "shoal:pool_host_load_latency_seconds", "shoal:pool_front_slowdown",
+                 "shoal:pool_load_slowdown"):
         assert name in text, name
     assert 'owner="0"' in text
     # the metrics vLLM has, also under its names (dashboards built for vLLM read them)

@@ -53,6 +53,7 @@ STAT_KEYS = (
     "host_tier_hit_blocks", "pool_hits_loaded", "pool_hits_split", "pool_hits_computed",
     "front_tokens_computed", "prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s",
     "host_load_tokens_per_s", "host_load_latency_s", "pool_hit_host_tokens", "front_slowdown",
+    "load_slowdown",
 )
 # gauges of a rate, not counts: across ranks, the mean of those that measured one (0: none)
 RATE_STATS = tuple(RATES.values())

@@ -67,13 +67,15 @@ MIN_SPLIT_GAIN = 0.1
 # a front's forward beside its load, against the model's estimate of it alone: measured from
 # the front's steps (`observe_front`; averaged from 1, so one stalled step is not all of
 # it), at most this much slower; each hit not split takes this share of the slowdown away
-# (else a front once measured slow would never be computed, or measured, again)
+# (else a front once measured slow would never be computed, or measured, again); the same
+# for a split's load beside its front, against its time alone (`observe_load`)
 MAX_FRONT_SLOWDOWN = 8.0
 SLOWDOWN_DECAY = 0.1
 # the planner's rates (attribute, also its name in a rates file) -> their stats() key
 RATES = {"prefill_tps": "prefill_tokens_per_s", "load_tps": "load_tokens_per_s",
          "load_latency_s": "load_latency_s", "host_load_tps": "host_load_tokens_per_s",
-         "host_load_latency_s": "host_load_latency_s", "front_slowdown": "front_slowdown"}
+         "host_load_latency_s": "host_load_latency_s", "front_slowdown": "front_slowdown",
+         "load_slowdown": "load_slowdown"}
 
 
 @dataclass
@@ -126,6 +128,7 @@ class LoadPlanner:
         self.host_load_tps = Ewma()  # the same, of loads from the worker's host memory
         self.host_load_latency_s = Ewma()
         self.front_slowdown = Ewma()  # a front's forward beside a load / its estimate alone
+        self.load_slowdown = Ewma()  # a split's load beside its front / its estimate alone
 
     # -- measurements ----------------------------------------------------------------------
 
@@ -146,6 +149,12 @@ class LoadPlanner:
 
     def _slowdown(self) -> float:
         return self.front_slowdown.value or 1.0
+
+    @staticmethod
+    def _learn_slowdown(ratio: Ewma, x: float) -> None:
+        """A measured slowdown x, averaged from 1, within [1, MAX_FRONT_SLOWDOWN]."""
+        ratio.value = ratio.value or 1.0
+        ratio.add(min(max(x, 1.0), MAX_FRONT_SLOWDOWN))
 
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float],
                           launch_s: float = 0.0) -> None:
@@ -198,21 +207,28 @@ class LoadPlanner:
         if C and sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS:
             alone = max(self.prefill_launch_s, self.prefill_overhead_s
                         + sum(self.work(s, n) for s, n in chunks) / C)
-            self.front_slowdown.value = self.front_slowdown.value or 1.0
-            self.front_slowdown.add(min(max(seconds / alone, 1.0), MAX_FRONT_SLOWDOWN))
+            self._learn_slowdown(self.front_slowdown, seconds / alone)
 
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,
-                     host_share: float = 0.0) -> None:
+                     host_share: float = 0.0, split: bool = False) -> None:
         """A finished load: `num_tokens` landed in `seconds`, the first of them after
         `first_landed_s` (None: not seen before the load finished, as if all at once);
-        `host_share` of them were expected from host memory. A load that landed nothing
-        (the front computed it all first) says only that the source delivered less than a
-        block in `seconds`: its rate is at most that (else no engine would ever learn the
-        rate of a store too slow to land a block before the front is done)."""
+        `host_share` of them were expected from host memory; `split`: planned beside a front,
+        it teaches the load's slowdown beside one, not the rates (on an H100 a 1B split's load
+        ran at 214k tokens/s against 340k alone: taught as the store's rate, it made loading
+        whole look slower, and every next hit split again). A load that landed nothing (the
+        front computed it all first) says only that the source delivered less than a block
+        in `seconds`: its rate is at most that (else no engine would ever learn the rate of a
+        store too slow to land a block before the front is done)."""
         if num_tokens <= 0:
             rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
             if seconds > 0 and (rate.value is None or rate.value > self.block_size / seconds):
                 rate.value = self.block_size / seconds
+            return
+        expected = self.expected_rate(host_share)
+        if split and expected is not None:
+            self._learn_slowdown(self.load_slowdown,
+                                 seconds / (expected[1] + num_tokens / expected[0]))
             return
         latency = None if first_landed_s is None else min(first_landed_s, seconds)
         streaming = seconds if latency is None else max(seconds - latency, seconds / 2)
@@ -243,9 +259,10 @@ class LoadPlanner:
         """A hit of blocks [first, end) of a request that can compute while loading,
         `host_share` of it expected from host memory."""
         decision = self._admit(first, end, host_share)
-        if (decision.first is None or not decision.first.num_tokens) and self.front_slowdown.value:
-            # not split: what a front would cost is not measured again by this hit
-            self.front_slowdown.value = 1 + (1 - SLOWDOWN_DECAY) * (self.front_slowdown.value - 1)
+        if decision.first is None or not decision.first.num_tokens:
+            # not split: what a split would cost is not measured again by this hit
+            for ratio in (r for r in (self.front_slowdown, self.load_slowdown) if r.value):
+                ratio.value = 1 + (1 - SLOWDOWN_DECAY) * (ratio.value - 1)
         return decision
 
     def _admit(self, first: int, end: int, host_share: float) -> LoadDecision:
@@ -259,17 +276,18 @@ class LoadPlanner:
         # must save more than that forward's fixed cost
         share = max(step.drop_to * self.block_size - front, 0)  # (the first step's tokens
         # may be fewer: a step's budget caps them)
-        if C is not None and rate is not None and (
-                self.work(front, remaining) / C < self._ends(front, share, remaining, C, *rate)):
+        if C is not None and rate is not None and self.work(front, remaining) / C < self._ends(
+                front, share, remaining, C, *rate, 0, self.load_slowdown.value or 1.0):
             return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
 
     def _ends(self, front: int, x: int, remaining: int, C: float, L: float,
-              latency: float, busy: float = 0.0) -> float:
+              latency: float, busy: float = 0.0, g: float = 1.0) -> float:
         """When a front of x of the `remaining` tokens (computed once `busy` seconds of the
-        front's earlier forwards are done) and a load of the rest both end."""
+        front's earlier forwards are done) and a load of the rest both end (beside a
+        front, the load takes g times as long)."""
         computed = busy + self._forward_seconds(front, x, C) if x else busy
-        return max(computed, latency + (remaining - x) / L)
+        return max(computed, (latency + (remaining - x) / L) * (g if x or busy else 1.0))
 
     def front_step(self, front: int, writes_from: int, landed_from: int, end: int,
                    started: float | None, now: float, host_share: float = 0.0,
@@ -293,16 +311,16 @@ class LoadPlanner:
                     and now - started >= UNKNOWN_LOAD_WAIT * self.work(front, remaining) / C):
                 return FrontStep(min(remaining, self.max_num_tokens), landed_from)
             return FrontStep(0, 0)
-        L, latency = rate
+        L, latency, g = rate
         # the front's share x: they end together, busy + f (overhead + work(front, x) / C) =
-        # latency + (R - x) / L (a forward's fixed cost on one side, the load's first-block
-        # latency on the other; f the front's slowdown beside a load): a2 x^2 + a1 x + a0 =
-        # 0, its positive root in a form stable at a2 = 0 (a forward's launches bound it
-        # from below: checked on the share found)
+        # g (latency + (R - x) / L) (a forward's fixed cost on one side, the load's first-
+        # block latency on the other; f, g: each side's slowdown beside the other): a2 x^2 +
+        # a1 x + a0 = 0, its positive root in a form stable at a2 = 0 (a forward's launches
+        # bound it from below: checked on the share found)
         f = self._slowdown()
         a2 = f * self.attention_weight / (2 * C)
-        a1 = f * (1 + self.attention_weight * front) / C + 1 / L
-        a0 = busy + f * self.prefill_overhead_s - latency - remaining / L
+        a1 = f * (1 + self.attention_weight * front) / C + g / L
+        a0 = busy + f * self.prefill_overhead_s - g * (latency + remaining / L)
         exact = -2 * a0 / (a1 + math.sqrt(max(a1 * a1 - 4 * a2 * a0, 0.0)))
         if remaining - exact < bs:  # the load would not add a block: compute it all
             return FrontStep(min(remaining, self.max_num_tokens), landed_from)
@@ -310,13 +328,13 @@ class LoadPlanner:
         # of the block boundaries around the exact share, the one where both sides end
         # sooner (with a slow store, the block rounding down gives the load costs more)
         if (share + bs < remaining
-                and self._ends(front, share + bs, remaining, C, L, latency, busy)
-                < self._ends(front, share, remaining, C, L, latency, busy)):
+                and self._ends(front, share + bs, remaining, C, L, latency, busy, g)
+                < self._ends(front, share, remaining, C, L, latency, busy, g)):
             share += bs
         if (share < bs or self.work(front, share) < C * self.prefill_overhead_s  # less than a
                 # forward's fixed cost buys, or a forward whose launches outlast the load
-                or self._ends(front, share, remaining, C, L, latency, busy)
-                > (1 - self.min_gain) * self._ends(front, 0, remaining, C, L, latency, busy)):
+                or self._ends(front, share, remaining, C, L, latency, busy, g)
+                > (1 - self.min_gain) * self._ends(front, 0, remaining, C, L, latency, busy, g)):
             return FrontStep(0, 0)  # the load lands it, the front waits
         # the share in one forward (a GPU's forward has a fixed cost worth not paying twice);
         # the load from where the share ends
@@ -344,8 +362,9 @@ class LoadPlanner:
                 "load_latency_s": expected[1] if expected else 0.0}
 
     def _load_rate(self, num_landed: int, waited: float | None, host_share: float,
-                   num_pending: int) -> tuple[float, float] | None:
-        """(tokens/s, seconds before the first block lands) of the load from here: its own
+                   num_pending: int) -> tuple[float, float, float] | None:
+        """(tokens/s, seconds before the first block lands, slowdown beside a front) of the
+        load from here: its own
         rate once it has landed something, before that the rates of earlier loads (None:
         there were none), but no faster than all its `num_pending` tokens in the time it is
         overdue (a store slower than the last time must not keep the front waiting; a load
@@ -366,14 +385,15 @@ class LoadPlanner:
             if (expected is None or num_landed >= few
                     or (own * OWN_RATE_SLACK < expected[0]
                         and waited >= OWN_RATE_SLACK * (expected[1] + few / expected[0]))):
-                return own, 0.0
+                return own, 0.0, 1.0  # (measured beside what runs now)
         if expected is None:
             return None
         L, F = expected
         overdue = (waited or 0.0) - F
+        g = self.load_slowdown.value or 1.0
         if overdue > 0:  # later than the latency, and no own rate to go by yet
-            return min(L, num_pending / overdue), 0.0
-        return L, -overdue
+            return min(L, num_pending / overdue), 0.0, g
+        return L, -overdue, g
 
     def stats(self) -> dict[str, float]:
         return {key: getattr(self, name).value or 0.0 for name, key in RATES.items()}

@@ -68,12 +68,14 @@ class PendingLoad:
         step while the last one runs: the front's next share computes after them)."""
         return max(self.front_busy_until - now, 0.0) if self.front_in_flight else 0.0
 
-    def measured(self, start: int) -> tuple[int, float, float | None, float]:
+    def measured(self, start: int) -> tuple[int, float, float | None, float, bool]:
         """The finished load as LoadPlanner.observe_load takes it: tokens landed (from token
-        `start`), seconds, seconds to the first landed block (None: not seen), host share."""
+        `start`), seconds, seconds to the first landed block (None: not seen), host share,
+        whether it was planned beside a front."""
         first = None if self.first_landed is None else self.first_landed - self.started
         end = self.last_landed if self.last_landed is not None else time.monotonic()
-        return self.end_token - start, end - self.started, first, self.host_share
+        return (self.end_token - start, end - self.started, first, self.host_share,
+                self.hit.decision == "split")
 
     def outcome(self, start: int, bad: int | None, block_size: int,
                 policy: str) -> tuple[int, str | None, bool]:

@@ -62,7 +62,7 @@ def restore_rates(planner: LoadPlanner, path: Path) -> None:
     for name in (n for n in RATES if same_unit or n != "prefill_tps"):
         value = rates.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if name == "front_slowdown":  # a ratio: from 1 (none) to the most counted
+            if name.endswith("_slowdown"):  # a ratio: from 1 (none) to the most counted
                 value = min(max(value, 1.0), MAX_FRONT_SLOWDOWN) if math.isfinite(value) else 1.0
             getattr(planner, name).add(float(value))
     for name in SECONDS:

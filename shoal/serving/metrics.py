@@ -68,6 +68,9 @@ ENGINE_GAUGES = (
     ("pool_front_slowdown", "front_slowdown",
      "How much slower a pool hit's front runs beside its load than alone, as measured "
      "(0: not measured yet)"),
+    ("pool_load_slowdown", "load_slowdown",
+     "How much longer a split pool hit's load takes beside its front than alone, as "
+     "measured (0: not measured yet)"),
 )
 
 
