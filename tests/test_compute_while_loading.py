@@ -107,11 +107,13 @@ def test_the_front_computes_while_the_back_loads(tiny_model, prompt, baseline, p
     assert s["blocks_loaded"] * 4 >= hit.num_loaded_tokens  # landed blocks the front passed too
 
 
-def test_a_split_s_load_teaches_its_slowdown_not_the_store_s_rate(tiny_model, prompt, baseline,
+def test_a_split_s_load_teaches_its_slowdown_or_a_faster_rate(tiny_model, prompt, baseline,
                                                                    pool):
     """The split's load runs beside its front: what it measures is how much longer it took
     than the store's rate says (`load_slowdown`), not the store's rate, which loads alone
-    measure (a slowed load taught as the store's rate made every next hit split again)."""
+    measure (a slowed load taught as the store's rate made every next hit split again). One
+    faster than that rate says the store is at least that fast (here: reads not paced, the
+    rate pinned low)."""
     with LLM(tiny_model, kv_pool=str(pool), **KW) as llm:  # (reads not paced: a load that
         pin_rates(llm, prefill=400.0, load=200.0)  # lands before the front reaches it)
         del llm.engine.transfers.planner.observe_load  # the real measurement, this time
@@ -119,8 +121,8 @@ def test_a_split_s_load_teaches_its_slowdown_not_the_store_s_rate(tiny_model, pr
         s = llm.stats()
     assert out.token_ids == baseline and out.pool_hit.decision == "split"
     assert out.pool_hit.num_loaded_tokens > 0
-    assert s["load_tokens_per_s"] == 200.0 and s["load_latency_s"] == 0.0  # as pinned
-    assert s["load_slowdown"] >= 1.0  # measured (0: never)
+    assert s["load_slowdown"] == 1.0  # measured (0: never), faster than the pinned rate
+    assert s["load_tokens_per_s"] > 200.0
 
 
 def test_a_store_slower_than_computing_is_not_read(tiny_model, prompt, baseline, pool,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shoal.engine.load_split import MIN_SPLIT_GAIN, LoadPlanner
-from shoal.engine.rates_file import restore_rates, save_rates
+from shoal.engine.rates_file import PREFILL_UNIT, restore_rates, save_rates
 
 BS = 16
 
@@ -134,11 +134,17 @@ def test_a_split_s_load_teaches_its_slowdown_beside_the_front_not_the_store_s_ra
     # a load planned whole that the front overtook teaches the store's rate, as before
     p.observe_load(num_loaded, num_loaded / 100_000.0, None)
     assert p.load_tps.value == pytest.approx((340_000.0 + 100_000.0) / 2)
-    # a split's load no slower than alone teaches nothing below 1; one never measured alone
-    # teaches the store's rate (there is nothing to weigh it against)
-    q = planner(prefill=164_000.0, load=340_000.0)
-    q.observe_load(4096, 4096 / 1e9, None, split=True)
+    # a split's load faster than loads alone: no slowdown below 1, and the store is at least
+    # that fast alone (else a rate once too low, every hit split, would never be corrected)
+    q = planner(prefill=164_000.0, load=214_000.0)
+    q.observe_load(4096, 4096 / 340_000.0, None, split=True)
     assert q.load_slowdown.value == 1.0
+    assert q.load_tps.value == pytest.approx((214_000.0 + 340_000.0) / 2)
+    # one that landed nothing beside its front bounds the rate alone at g blocks in its time
+    q.load_slowdown.value = 2.0
+    q.observe_load(0, 0.01, None, split=True)
+    assert q.load_tps.value == pytest.approx(2.0 * BS / 0.01)
+    # one never measured alone teaches the store's rate (nothing to weigh it against)
     r = planner(prefill=164_000.0)
     r.observe_load(4096, 4096 / 214_000.0, None, split=True)
     assert r.load_tps.value == pytest.approx(214_000.0) and r.load_slowdown.value is None
@@ -396,11 +402,19 @@ def test_rates_are_kept_for_the_next_run(tmp_path):
         assert r.front_slowdown.value == r.load_slowdown.value == restored
     # a file from before the prefill rate was counted in work: its load rates only
     path.write_text(json.dumps({"prefill_tps": 123.0, "prefill_overhead_s": 0.01,
-                                "load_tps": 456.0}))
+                                "load_tps": 456.0, "load_slowdown": None}))
     old = planner()
     restore_rates(old, path)
     assert old.prefill_tps.value is None and old.prefill_overhead_s == 0.0
     assert old.load_tps.value == 456.0
+    # one from before a split's load stopped teaching the load rates (a slowed rate): its
+    # prefill rate only
+    path.write_text(json.dumps({"prefill_tps": 123.0, "prefill_unit": PREFILL_UNIT,
+                                "load_tps": 214.0, "host_load_tps": 1.0}))
+    older = planner()
+    restore_rates(older, path)
+    assert older.prefill_tps.value == 123.0
+    assert older.load_tps.value is None and older.host_load_tps.value is None
     path.write_text(json.dumps({"prefill_tps": "fast", "load_tps": True}))  # garbage: ignored
     r = planner()
     restore_rates(r, path)

@@ -19,7 +19,8 @@ The rates are exponentially weighted averages: the prefill rate and a forward's 
 from two forwards at bring-up (where the engine can run one; on a GPU also the host's time
 launching one, which no eager forward takes less than) and from steps that are
 mostly prefill with no load pending (a load's I/O threads slow the steps they overlap),
-the load rate and latency from each finished load, and all of them from the last run
+the load rate and latency from each finished load (a split's load, slowed beside its
+front, teaches how much slower: `observe_load`), and all of them from the last run
 (kept per model, device and connector options). Loads have two rates: from the store and
 from host memory (blocks the worker keeps in its host tier, as the connector's scheduler
 side expects: `get_num_matched_host_tokens`), often 5-10x apart on a GPU; a hit's rate
@@ -69,7 +70,7 @@ MIN_SPLIT_GAIN = 0.1
 # it), at most this much slower; each hit not split takes this share of the slowdown away
 # (else a front once measured slow would never be computed, or measured, again); the same
 # for a split's load beside its front, against its time alone (`observe_load`)
-MAX_FRONT_SLOWDOWN = 8.0
+MAX_SLOWDOWN = 8.0
 SLOWDOWN_DECAY = 0.1
 # the planner's rates (attribute, also its name in a rates file) -> their stats() key
 RATES = {"prefill_tps": "prefill_tokens_per_s", "load_tps": "load_tokens_per_s",
@@ -152,9 +153,9 @@ class LoadPlanner:
 
     @staticmethod
     def _learn_slowdown(ratio: Ewma, x: float) -> None:
-        """A measured slowdown x, averaged from 1, within [1, MAX_FRONT_SLOWDOWN]."""
+        """A measured slowdown x, averaged from 1, within [1, MAX_SLOWDOWN]."""
         ratio.value = ratio.value or 1.0
-        ratio.add(min(max(x, 1.0), MAX_FRONT_SLOWDOWN))
+        ratio.add(min(max(x, 1.0), MAX_SLOWDOWN))
 
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float],
                           launch_s: float = 0.0) -> None:
@@ -214,22 +215,24 @@ class LoadPlanner:
         """A finished load: `num_tokens` landed in `seconds`, the first of them after
         `first_landed_s` (None: not seen before the load finished, as if all at once);
         `host_share` of them were expected from host memory; `split`: planned beside a front,
-        it teaches the load's slowdown beside one, not the rates (on an H100 a 1B split's load
-        ran at 214k tokens/s against 340k alone: taught as the store's rate, it made loading
-        whole look slower, and every next hit split again). A load that landed nothing (the
-        front computed it all first) says only that the source delivered less than a block
-        in `seconds`: its rate is at most that (else no engine would ever learn the rate of a
-        store too slow to land a block before the front is done)."""
+        it teaches the load's slowdown beside one, not the rates, unless it was faster than
+        they say (on an H100 a 1B split's load ran at 214k tokens/s against 340k alone: taught
+        as the store's rate, it made loading whole look slower, and every next hit split
+        again). A load that landed nothing (the front computed it all first) says only that
+        the source delivered less than a block in `seconds` (beside a front, g times that): its
+        rate is at most that (else no engine would learn the rate of a dead-slow store)."""
+        g = (self.load_slowdown.value or 1.0) if split else 1.0
         if num_tokens <= 0:
             rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
-            if seconds > 0 and (rate.value is None or rate.value > self.block_size / seconds):
-                rate.value = self.block_size / seconds
+            if seconds > 0 and (rate.value is None or rate.value > g * self.block_size / seconds):
+                rate.value = g * self.block_size / seconds
             return
         expected = self.expected_rate(host_share)
         if split and expected is not None:
-            self._learn_slowdown(self.load_slowdown,
-                                 seconds / (expected[1] + num_tokens / expected[0]))
-            return
+            ratio = seconds / (expected[1] + num_tokens / expected[0])
+            self._learn_slowdown(self.load_slowdown, ratio)
+            if ratio >= 1:  # (faster: alone the source is at least that fast, taught below)
+                return
         latency = None if first_landed_s is None else min(first_landed_s, seconds)
         streaming = seconds if latency is None else max(seconds - latency, seconds / 2)
         if latency is not None and latency >= ALL_AT_ONCE * seconds:  # one unit (the tier's
@@ -364,18 +367,16 @@ class LoadPlanner:
     def _load_rate(self, num_landed: int, waited: float | None, host_share: float,
                    num_pending: int) -> tuple[float, float, float] | None:
         """(tokens/s, seconds before the first block lands, slowdown beside a front) of the
-        load from here: its own
-        rate once it has landed something, before that the rates of earlier loads (None:
-        there were none), but no faster than all its `num_pending` tokens in the time it is
-        overdue (a store slower than the last time must not keep the front waiting; a load
-        may land all at once, so that is all the silence says). The own rate counts time
-        from when a first block was due (the measured first-block latency): right after the
-        first block lands, landed / waited would mostly measure that latency and take a
-        fast store for a slow one; and it replaces earlier loads' rate once a few blocks
-        have landed, or sooner if it is far slower and has been for long enough that the
-        earlier rate would have landed those few blocks several times over (the first
-        blocks come while the reads ramp up: a front that takes them for a slow store
-        pays a whole forward for a load that lands a few ms later)."""
+        load from here: its own rate once it has landed something, before that the rates of
+        earlier loads (None: there were none), but no faster than all its `num_pending` tokens
+        in the time it is overdue (a store slower than the last time must not keep the front
+        waiting; a load may land all at once: that is all the silence says). The own rate
+        counts time from when a first block was due (the measured latency: right after the
+        first block lands, landed / waited would mostly measure that latency); it replaces
+        earlier loads' rate once a few blocks have landed, or sooner if it is far slower and
+        has been for long enough that the earlier rate would have landed those few blocks
+        several times over (the first blocks come while the reads ramp up: a front that takes
+        them for a slow store pays a whole forward for a load that lands a few ms later)."""
         expected = self.expected_rate(host_share)
         F = expected[1] if expected is not None else self.load_latency_s.value
         if waited is not None and waited > 0 and num_landed > 0:

@@ -12,7 +12,7 @@ import math
 import os
 from pathlib import Path
 
-from shoal.engine.load_split import MAX_FRONT_SLOWDOWN, RATES, LoadPlanner
+from shoal.engine.load_split import MAX_SLOWDOWN, RATES, LoadPlanner
 from shoal.model.presets import cache_dir
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,17 @@ def restore_rates(planner: LoadPlanner, path: Path) -> None:
         return
     if not isinstance(rates, dict):
         return
-    # a prefill rate (and its seconds) counted in another unit is measured anew
+    # a prefill rate (and its seconds) counted in another unit is measured anew, and so are
+    # load rates from before a split's load stopped teaching them (its slowed rate)
     same_unit = rates.get("prefill_unit") == PREFILL_UNIT
-    for name in (n for n in RATES if same_unit or n != "prefill_tps"):
+    stale = {"prefill_tps"} if not same_unit else set()
+    if "load_slowdown" not in rates:
+        stale |= {"load_tps", "load_latency_s", "host_load_tps", "host_load_latency_s"}
+    for name in (n for n in RATES if n not in stale):
         value = rates.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if name.endswith("_slowdown"):  # a ratio: from 1 (none) to the most counted
-                value = min(max(value, 1.0), MAX_FRONT_SLOWDOWN) if math.isfinite(value) else 1.0
+                value = min(max(value, 1.0), MAX_SLOWDOWN) if math.isfinite(value) else 1.0
             getattr(planner, name).add(float(value))
     for name in SECONDS:
         value = rates.get(name)
