@@ -39,18 +39,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache (default auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no captured decode or short-prefill graphs)")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
                    help="run the engine in a process of its own, as --dp/--tp ranks are (the "
-                   "server's HTTP and detokenizing then never hold the engine's GIL)")
+                   "server's HTTP and detokenizing then never hold the engine's GIL; default: "
+                   "on for `shoal serve` on a CUDA device, else off)")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
+def _engine_kwargs(args: argparse.Namespace, serving: bool = False) -> dict:
+    """The engine flags as LLM's keywords; `serving`: for `shoal serve`, whose engine runs in
+    a process of its own on a GPU unless --no-engine-process (on an H100 the server's TPOT
+    went from 1.56x the library's to 0.78-1.13x; docs/benchmarks.md)."""
+    engine_process = args.engine_process
+    if engine_process is None:
+        engine_process = serving and args.device.startswith("cuda")
     return dict(kv_pool=args.kv_pool, dp_size=args.dp, tp_size=args.tp,
                 block_size=args.block_size, max_batch_size=args.max_batch_size,
                 max_num_tokens=args.max_num_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_gb=args.kv_cache_gb, overlap_scheduler=not args.no_overlap,
                 device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                engine_process=args.engine_process)
+                engine_process=engine_process)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,7 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
     _check_pool(args)
     # an address in use fails before the weights load too
     with contextlib.closing(listen(args.host, args.port)) as sock:
-        llm = LLM(args.model, **_engine_kwargs(args))
+        llm = LLM(args.model, **_engine_kwargs(args, serving=True))
         try:
             serve(llm, sock, args.served_model_name or args.model, args.shutdown_grace,
                   api_key=args.api_key or None, limits=limits, access_log=args.access_log)

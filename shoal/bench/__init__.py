@@ -69,9 +69,10 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                           ("chats", 2), ("turns", 3), ("max-tokens", 16), ("dp", 1),
                           ("num-kv-blocks", 1024)):
         sb.add_argument(f"--{flag}", type=int, default=default)
-    sb.add_argument("--engine-process", action="store_true", help="the servers run their "
-                    "engine in a process of its own (shoal serve --engine-process); the "
-                    "library's runs keep it in theirs")
+    sb.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                    help="the servers run their engine in a process of its own (shoal serve "
+                    "--engine-process) or not; default: as shoal serve (on for a CUDA device); "
+                    "the library's runs keep it in theirs")
     io = bsub.add_parser("pool-io", help="pool save/load GB/s vs raw file writes/reads (or "
                          "raw pipelined SET/GET with --pool redis://...)")
     io.add_argument("--pool", metavar="URL", help="measure the redis connector on this "

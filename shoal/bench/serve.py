@@ -279,6 +279,15 @@ def print_table(rows: list[tuple[str, dict]]) -> None:
             f"{r[c]:>16d}" if isinstance(r[c], int) else f"{r[c]:>16.3f}" for c in cols))
 
 
+def server_args(args) -> list[str]:
+    """The bench's flags for each `shoal serve` it starts (--engine-process: as given, else
+    shoal serve's default)."""
+    process = {True: ["--engine-process"], False: ["--no-engine-process"]}
+    return ["--num-kv-blocks", str(args.num_kv_blocks), "--dp", str(args.dp),
+            "--device", args.device, "--served-model-name", args.served_model_name,
+            *process.get(args.engine_process, [])]
+
+
 def run_serve_bench(args) -> int:
     jobs = build_workload(args.docs, args.doc_tokens, args.questions, args.chats, args.turns)
     decode_jobs = build_decode_jobs(2 * args.clients)
@@ -293,9 +302,7 @@ def run_serve_bench(args) -> int:
         print_table([("url", result)])
         print(json.dumps({"bench": "serve", "url": args.url, **result}))
         return 0
-    engine = ["--num-kv-blocks", str(args.num_kv_blocks), "--dp", str(args.dp),
-              "--device", args.device, "--served-model-name", args.served_model_name,
-              *(["--engine-process"] if args.engine_process else [])]
+    engine = server_args(args)
     rows = []
     pool = tempfile.mkdtemp(prefix="shoal-bench-serve-")
     try:
