@@ -47,11 +47,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace, serving: bool = False) -> dict:
     """The engine flags as LLM's keywords; `serving`: for `shoal serve`, whose engine runs in
-    a process of its own on a GPU unless --no-engine-process (on an H100 the server's TPOT
-    went from 1.56x the library's to 0.78-1.13x; docs/benchmarks.md)."""
-    engine_process = args.engine_process
-    if engine_process is None:
-        engine_process = serving and args.device.startswith("cuda")
+    a process of its own on a GPU unless --no-engine-process (`runs_engine_process`)."""
+    engine_process = bool(args.engine_process)
+    if serving:  # (the server's modules: only for it)
+        from shoal.serving.process import runs_engine_process
+        engine_process = runs_engine_process(args.engine_process, args.device)
     return dict(kv_pool=args.kv_pool, dp_size=args.dp, tp_size=args.tp,
                 block_size=args.block_size, max_batch_size=args.max_batch_size,
                 max_num_tokens=args.max_num_tokens, num_kv_blocks=args.num_kv_blocks,

@@ -302,6 +302,7 @@ def test_bench_serve_with_an_engine_process(smollm2_path):
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["requests"] == 4  # 2 questions + 2 turns
+    assert result["engine_process"] is True  # (on a CPU only when asked)
     assert result["cached_share_warm"] > result["cached_share_off"]
     assert result["ttft_p50_on_over_off"] > 0 and result["tpot_p50_server_over_library"] > 0
     rows = {line.split("  ")[0]: line.split()[-12] for line in r.stdout.splitlines()[1:-1]}

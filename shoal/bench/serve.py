@@ -329,11 +329,14 @@ def run_serve_bench(args) -> int:
     finally:
         import shutil
         shutil.rmtree(pool, ignore_errors=True)
+    from shoal.serving.process import runs_engine_process
+
     print_table(rows)
     by = dict(rows)
     off, warm = by["pool off"], by["warm restart"]
     print(json.dumps({
         "bench": "serve", "clients": args.clients, "requests": off["requests"],
+        "engine_process": runs_engine_process(args.engine_process, args.device),
         "ttft_p50_warm_over_off": warm["ttft_p50"] / off["ttft_p50"],
         "ttft_p50_on_over_off": by["pool on"]["ttft_p50"] / off["ttft_p50"],
         "ttft_first_p50_warm_over_off": warm["ttft_first_p50"] / off["ttft_first_p50"],

@@ -21,6 +21,13 @@ from shoal.serving.read_timeout import ReadTimeoutProtocol
 READY_MESSAGE = "shoal serve: ready on"
 
 
+def runs_engine_process(flag: bool | None, device: str) -> bool:
+    """Whether `shoal serve` runs its engine in a process of its own: as --engine-process or
+    --no-engine-process say (`flag`), else on a CUDA device (on an H100 the server's TPOT
+    went from 1.56x the library's in process to 0.78-1.13x; docs/benchmarks.md)."""
+    return device.startswith("cuda") if flag is None else flag
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port for `serve` (bound before the model loads, so an address
     in use or unknown fails at once: OSError naming it). Made as a TCP socket by name:
