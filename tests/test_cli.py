@@ -119,6 +119,32 @@ def test_engine_flags_reach_the_engine_config():
     assert kwargs == {k: defaults[k] for k in kwargs}
 
 
+def test_serve_and_generate_build_their_engine_by_that_rule(monkeypatch):
+    """The commands pass the rule on: `shoal serve --device cuda` builds an LLM with its
+    engine in a process of its own, `shoal generate --device cuda` one without (no GPU
+    here: the LLM is replaced by a stand-in that records its keywords and refuses)."""
+    import socket
+
+    import shoal
+    from shoal.cli import main
+
+    built = []
+
+    def llm(model, **kw):
+        built.append(kw["engine_process"])
+        raise ValueError("not built here")
+
+    monkeypatch.setattr(shoal, "LLM", llm)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert main(["serve", "--model", "m", "--device", "cuda", "--port", port]) == 2
+    assert main(["generate", "--model", "m", "--device", "cuda", "--prompt", "x"]) == 2
+    assert main(["serve", "--model", "m", "--device", "cuda", "--port", port,
+                 "--no-engine-process"]) == 2
+    assert built == [True, False, False]
+
+
 def test_shoal_serve_runs_its_engine_in_a_process_of_its_own_on_a_gpu():
     """On a GPU the server's Python slows the engine's launches (on an H100 the server's
     TPOT was 1.56x the library's in process, 0.78-1.13x with the engine in its own): `shoal
@@ -131,10 +157,10 @@ def test_shoal_serve_runs_its_engine_in_a_process_of_its_own_on_a_gpu():
     def process(*argv: str, serving: bool = True) -> bool:
         return _engine_kwargs(build_parser().parse_args(argv), serving)["engine_process"]
 
-    assert process("serve", "--device", "cuda") and process("serve", "--device", "cuda:1")
-    assert not process("serve", "--device", "cuda", "--no-engine-process")
-    assert not process("serve") and process("serve", "--engine-process")
-    assert not process("generate", "--device", "cuda", serving=False)
+    assert process("serve", "--device", "cuda") is process("serve", "--device", "cuda:1") is True
+    assert process("serve", "--device", "cuda", "--no-engine-process") is False
+    assert process("serve") is False and process("serve", "--engine-process") is True
+    assert process("generate", "--device", "cuda", serving=False) is False
     for flag, expected in (([], []), (["--engine-process"], ["--engine-process"]),
                            (["--no-engine-process"], ["--no-engine-process"])):
         bench = build_parser().parse_args(["bench", "serve", "--device", "cuda", *flag])

@@ -44,13 +44,15 @@ class Server:
     URL: http://HOST:PORT). A thread keeps its output (stdout and stderr): a full pipe would
     block it, and tests wait for lines in it."""
 
-    def __init__(self, model_path: str, *args: str):
+    def __init__(self, model_path: str, *args: str, own_group: bool = False):
+        """`own_group`: the server leads a process group of its own (as under systemd)."""
         self.port = _free_port()
         env = {**os.environ, "SHOAL_SERVE_DEBUG": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shoal", "serve", "--model", model_path, "--port",
              str(self.port), "--served-model-name", MODEL, *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=own_group)
         self.output: list[str] = []
         self._is_output_closed = False
         self._has_exited = False
@@ -957,6 +959,35 @@ def test_dp2_serves_and_sigterm_leaves_no_rank(smollm2_path, smollm2):
     # the ranks are gone with the server (multiprocessing's resource tracker, also a
     # child, exits once it sees the server's end: within a bound)
     assert _still_running(exits, timeout=10) == []
+
+
+def test_an_engine_process_drains_on_a_sigterm_to_the_server_s_whole_group(smollm2_path,
+                                                                           smollm2):
+    """`shoal serve --engine-process` (the default on a GPU) gives the same answers, and a
+    SIGTERM to its whole process group (systemd's stop, `kill -- -PGID`) drains as one to
+    the server does: the stream in flight finishes (the engine's process ignores it and
+    stops when the server shuts it down); exit 0, no process left."""
+    s = Server(smollm2_path, "--engine-process", "--num-kv-blocks", "256", own_group=True)
+    try:
+        ranks = s.children()
+        exits = _pidfds(ranks)
+        ref = smollm2.chat(CHAT, SamplingParams(max_tokens=12))[0].text
+        out = s.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                               temperature=0)
+        assert out.choices[0].message.content == ref
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120, json={
+                "prompt": "Count to one hundred:", "max_tokens": 30, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)
+            s._is_terminated = True
+            os.killpg(s.proc.pid, signal.SIGTERM)
+            events = _sse(lines)
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) >= 2
+    finally:
+        assert s.stop() == 0
+    assert ranks and _still_running(exits, timeout=10) == []
 
 
 def _pidfds(pids: list[int]) -> dict[int, int]:

@@ -289,6 +289,8 @@ def server_args(args) -> list[str]:
 
 
 def run_serve_bench(args) -> int:
+    from shoal.serving.process import runs_engine_process
+
     jobs = build_workload(args.docs, args.doc_tokens, args.questions, args.chats, args.turns)
     decode_jobs = build_decode_jobs(2 * args.clients)
     decode_tokens = 4 * args.max_tokens
@@ -329,14 +331,13 @@ def run_serve_bench(args) -> int:
     finally:
         import shutil
         shutil.rmtree(pool, ignore_errors=True)
-    from shoal.serving.process import runs_engine_process
-
     print_table(rows)
     by = dict(rows)
     off, warm = by["pool off"], by["warm restart"]
     print(json.dumps({
         "bench": "serve", "clients": args.clients, "requests": off["requests"],
-        "engine_process": runs_engine_process(args.engine_process, args.device),
+        # (ranks of --dp > 1 run in processes of their own whatever the flag says)
+        "engine_process": runs_engine_process(args.engine_process, args.device) or args.dp > 1,
         "ttft_p50_warm_over_off": warm["ttft_p50"] / off["ttft_p50"],
         "ttft_p50_on_over_off": by["pool on"]["ttft_p50"] / off["ttft_p50"],
         "ttft_first_p50_warm_over_off": warm["ttft_first_p50"] / off["ttft_first_p50"],

@@ -58,17 +58,20 @@ def _start_method(config: EngineConfig):
 
 
 @contextlib.contextmanager
-def _ranks_ignore_ctrl_c():
-    """Processes started inside inherit SIGINT ignored: a Ctrl-C reaches the front (which
-    shuts the ranks down in order), not every rank with a traceback of its own."""
+def _ranks_ignore_stop_signals():
+    """Processes started inside inherit SIGINT and SIGTERM ignored (the forkserver too, which
+    reports its children's ends): a Ctrl-C, or a SIGTERM to the server's whole process group
+    (as systemd stops a service), reaches the front, which shuts the ranks down in order
+    after draining, not every rank with a traceback of its own."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal dispositions can only be changed from the main thread
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class FleetError(RuntimeError):
@@ -96,7 +99,7 @@ class Fleet:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._conns, self._procs = [], []
         self._closed = False
-        with _ranks_ignore_ctrl_c():
+        with _ranks_ignore_stop_signals():
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=rank_main, name=f"shoal-rank-{rank}", daemon=True,

@@ -242,8 +242,12 @@ def rank_main(rank: int, world_size: int, init_method: str, config: EngineConfig
               conn: Connection, mode: str, environ: dict[str, str]) -> None:
     """Entry point of a rank process the front started; `environ`: the front's environment
     (a rank forked from the preloading server would otherwise see the server's)."""
-    # Ctrl-C is the front's to handle: it shuts the ranks down in order
+    # Ctrl-C and SIGTERM are the front's to handle: it shuts the ranks down in order (a
+    # SIGTERM to the server's whole process group, as systemd stops a service, killed the
+    # engine's process under the requests the server was draining); a rank whose front is
+    # gone ends when its pipe closes, and one that does not stop is killed (Fleet.shutdown)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(environ)
     logging.basicConfig(level=logging.WARNING,
