@@ -161,6 +161,8 @@ def test_shoal_serve_runs_its_engine_in_a_process_of_its_own_on_a_gpu():
     assert process("serve", "--device", "cuda", "--no-engine-process") is False
     assert process("serve") is False and process("serve", "--engine-process") is True
     assert process("generate", "--device", "cuda", serving=False) is False
+    assert process("generate", "--device", "cuda", "--no-engine-process", serving=False) is False
+    assert process("generate", "--engine-process", serving=False) is True
     for flag, expected in (([], []), (["--engine-process"], ["--engine-process"]),
                            (["--no-engine-process"], ["--no-engine-process"])):
         bench = build_parser().parse_args(["bench", "serve", "--device", "cuda", *flag])

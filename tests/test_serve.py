@@ -114,11 +114,15 @@ class Server:
                     out.append(int(d.name))
         return out
 
-    def terminate(self) -> None:
-        """SIGTERM, once: a second one while the server shuts down would kill it."""
+    def terminate(self, group: bool = False) -> None:
+        """SIGTERM, once: a second one while the server shuts down would kill it (`group`:
+        to the server's whole process group, which it leads with `own_group`)."""
         if not self._is_terminated:
             self._is_terminated = True
-            self.proc.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM (unless sent already); the exit status."""
@@ -980,8 +984,7 @@ def test_an_engine_process_drains_on_a_sigterm_to_the_server_s_whole_group(smoll
             assert r.status_code == 200
             lines = r.iter_lines()
             next(lines)
-            s._is_terminated = True
-            os.killpg(s.proc.pid, signal.SIGTERM)
+            s.terminate(group=True)
             events = _sse(lines)
         assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events
         assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) >= 2

@@ -146,15 +146,15 @@ class LoadPlanner:
     def _forward_seconds(self, start: int, num_tokens: int, C: float) -> float:
         """A front's forward, beside its load."""
         work = self.prefill_overhead_s + self.work(start, num_tokens) / C
-        return max(self.prefill_launch_s, work) * self._slowdown()
-
-    def _slowdown(self) -> float:
-        return self.front_slowdown.value or 1.0
+        return max(self.prefill_launch_s, work) * self._factor(self.front_slowdown)
 
     @staticmethod
-    def _learn_slowdown(ratio: Ewma, x: float) -> None:
+    def _factor(slowdown: Ewma) -> float:
+        return slowdown.value or 1.0  # (1 until measured)
+
+    def _learn_slowdown(self, ratio: Ewma, x: float) -> None:
         """A measured slowdown x, averaged from 1, within [1, MAX_SLOWDOWN]."""
-        ratio.value = ratio.value or 1.0
+        ratio.value = self._factor(ratio)
         ratio.add(min(max(x, 1.0), MAX_SLOWDOWN))
 
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float],
@@ -221,7 +221,7 @@ class LoadPlanner:
         again). A load that landed nothing (the front computed it all first) says only that
         the source delivered less than a block in `seconds` (beside a front, g times that): its
         rate is at most that (else no engine would learn the rate of a dead-slow store)."""
-        g = (self.load_slowdown.value or 1.0) if split else 1.0
+        g = self._factor(self.load_slowdown) if split else 1.0
         if num_tokens <= 0:
             rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
             if seconds > 0 and (rate.value is None or rate.value > g * self.block_size / seconds):
@@ -280,7 +280,7 @@ class LoadPlanner:
         share = max(step.drop_to * self.block_size - front, 0)  # (the first step's tokens
         # may be fewer: a step's budget caps them)
         if C is not None and rate is not None and self.work(front, remaining) / C < self._ends(
-                front, share, remaining, C, *rate, 0, self.load_slowdown.value or 1.0):
+                front, share, remaining, C, *rate, 0, self._factor(self.load_slowdown)):
             return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
 
@@ -320,7 +320,7 @@ class LoadPlanner:
         # block latency on the other; f, g: each side's slowdown beside the other): a2 x^2 +
         # a1 x + a0 = 0, its positive root in a form stable at a2 = 0 (a forward's launches
         # bound it from below: checked on the share found)
-        f = self._slowdown()
+        f = self._factor(self.front_slowdown)
         a2 = f * self.attention_weight / (2 * C)
         a1 = f * (1 + self.attention_weight * front) / C + g / L
         a0 = busy + f * self.prefill_overhead_s - g * (latency + remaining / L)
@@ -391,7 +391,7 @@ class LoadPlanner:
             return None
         L, F = expected
         overdue = (waited or 0.0) - F
-        g = self.load_slowdown.value or 1.0
+        g = self._factor(self.load_slowdown)
         if overdue > 0:  # later than the latency, and no own rate to go by yet
             return min(L, num_pending / overdue), 0.0, g
         return L, -overdue, g
