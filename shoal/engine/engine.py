@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 from shoal.config import EngineConfig
 from shoal.engine.build import EngineInfo, build_engine_parts, freeze_what_was_built
 from shoal.engine.load_split import RATES
-from shoal.engine.model_runner import NO_TOKENS, ModelRunner, SampledTokens
+from shoal.engine.model_runner import NO_TOKENS, LateTokens, ModelRunner, SampledTokens
 from shoal.engine.peers import Peers, StepVote
 from shoal.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.engine.connector_calls import keep_alive
@@ -236,22 +236,27 @@ class Engine:
                  forget_ids: list[str]) -> _Executed:
         """One step's work on the executing thread: transfer hooks around the forward."""
         started = time.perf_counter()
-        for request_id in forget_ids:
-            self.runner.forget(request_id)
-        transfers = self.transfers
-        if transfers is not None:  # this owner's own plan (empty in a padding step)
-            transfers.poller.begin_step(batch.transfers)
-        sampled = NO_TOKENS
-        if not batch.is_empty or any(token_counts):
-            self._counts["forward_passes"] += 1
-            start = time.perf_counter()
-            # padding rows never reach a connector: no layer hooks for a padding forward
-            hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty else None
-            sampled = self.runner.execute(batch, token_counts, hooks)
-            self._counts["forward_seconds"] += time.perf_counter() - start
+        runner, transfers, sampled = self.runner, self.transfers, NO_TOKENS
+        try:
+            for request_id in forget_ids:
+                runner.forget(request_id)
+            if transfers is not None:  # this owner's own plan (empty in a padding step)
+                transfers.poller.begin_step(batch.transfers)
+            if not batch.is_empty or any(token_counts):
+                self._counts["forward_passes"] += 1
+                start = time.perf_counter()
+                # padding rows never reach a connector: no layer hooks for a padding forward
+                hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty \
+                    else None
+                # (the overlap loop: a step's sample may wait for the next step's launch)
+                sampled = runner.execute(batch, token_counts, hooks, defer=self.overlap)
+                self._counts["forward_seconds"] += time.perf_counter() - start
+        finally:
+            if sampled is NO_TOKENS:  # the last step's sample is never left waiting
+                runner.flush()
         report = transfers.poller.end_step(batch.transfers) if transfers is not None else None
-        return _Executed(sampled, report, *self.runner.take_logprobs(),
-                         None if self.runner.replayed else started)
+        return _Executed(sampled, report, *runner.take_logprobs(),
+                         None if runner.replayed or isinstance(sampled, LateTokens) else started)
 
     def _update(self, keep: int) -> list[Request]:
         """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
@@ -260,6 +265,8 @@ class Engine:
         while len(self._inflight) > keep:
             batch, future = self._inflight.popleft()
             out = future.result()
+            if isinstance(out.sampled, LateTokens) and not self._inflight:
+                self._forward.submit(self.runner.flush)  # no later step launches its sample
             sampled = out.sampled.tolist()  # waits for the device
             # an eager step's time, from when the executing thread took it up to its samples
             # on the host: the rates a load split weighs (SPEC 3.1)
