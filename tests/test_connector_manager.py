@@ -39,11 +39,11 @@ def drive(llm: LLM, prompts, sampling=SP) -> dict[str, list]:
     runner = engine.runner
     real_execute = runner.execute
 
-    def checked_execute(batch, token_counts, hooks=None):
+    def checked_execute(batch, token_counts, hooks=None, **kw):
         for chunk in batch.chunks:  # invariant 2: a loading request is never in a batch
             assert chunk.request.status != RequestStatus.WAITING_FOR_LOAD, chunk.request.request_id
             assert not engine.transfers.is_loading(chunk.request.request_id)
-        return real_execute(batch, token_counts, hooks)
+        return real_execute(batch, token_counts, hooks, **kw)
 
     runner.execute = checked_execute
     rids = [engine.add(NewRequest(p, sampling)) for p in prompts]
