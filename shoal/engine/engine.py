@@ -267,7 +267,12 @@ class Engine:
             out = future.result()
             if isinstance(out.sampled, LateTokens) and not self._inflight:
                 self._forward.submit(self.runner.flush)  # no later step launches its sample
-            sampled = out.sampled.tolist()  # waits for the device
+            try:
+                sampled = out.sampled.tolist()  # waits for the device
+            except BaseException:  # (a deferred sample failed: its step's reports still count)
+                if out.transfers is not None:
+                    self.transfers.apply(batch.transfers, out.transfers)
+                raise
             # an eager step's time, from when the executing thread took it up to its samples
             # on the host: the rates a load split weighs (SPEC 3.1)
             if self.transfers is not None and out.started is not None:

@@ -78,6 +78,7 @@ class _Deferred:
     logits: torch.Tensor
     requests: list
     sampled: LateTokens = field(default_factory=LateTokens)
+    forgotten: list[str] = field(default_factory=list)  # its requests to forget once sampled
 
 
 NO_TOKENS = SampledTokens(torch.empty(0, dtype=torch.int32))
@@ -169,10 +170,13 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 deferred.sampled.resolve(self._sample(deferred.logits, deferred.requests))
-        except Exception as e:
+        except BaseException as e:  # (raised to its waiter, whatever it is)
+            deferred.sampled.fail(e)  # first: its waiter is released whatever follows
             self._prev_tokens = torch.zeros(len(deferred.requests), dtype=torch.int32,
                                             device=self.device)
-            deferred.sampled.fail(e)
+        finally:
+            for request_id in deferred.forgotten:
+                self._forget(request_id)
 
     def _sample(self, logits: torch.Tensor, requests) -> torch.Tensor:
         self._prev_tokens = self.sampler.sample_on_device(logits, requests).int()
@@ -245,10 +249,15 @@ class ModelRunner:
                 moe.warm_up()
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request state once a request can never be scheduled again."""
+        """Drop per-request state once a request can never be scheduled again (a request of
+        a deferred step: once its sample is launched, which reads its sampler state)."""
         if self._deferred is not None and any(r.request_id == request_id
                                               for r in self._deferred.requests):
-            self.flush()  # (its sample reads the request's sampler state)
+            self._deferred.forgotten.append(request_id)
+        else:
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
         self.table_rows.release(request_id)
 
