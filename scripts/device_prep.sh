@@ -3,7 +3,7 @@
 # ignored folders the call carries (run: carry [".whl", ".tok"]).
 #   .whl  wheels of Shoal's pure-Python needs its python3 (3.12) does not have, no deps
 #         pulled: the device has torch, Triton, transformers, numpy, jinja2, anyio, ...
-#   .tok  SmolLM2's tokenizer files (bench structured / profile_structured: a random
+#   .tok  SmolLM2's tokenizer files (bench structured / structured_trace: a random
 #         checkpoint of its shape with these copied in)
 # Then each call starts with:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

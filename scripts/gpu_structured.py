@@ -8,7 +8,9 @@ shape whose vocabulary is the tokenizer's (SmolLM2's 49,152 entries, from TOKDIR
 with scripts/device_prep.sh), copies the tokenizer files in, and runs the bench on it with
 both grammars (PROMPTS requests, 128 tokens each, 3 alternating rounds). The vocabulary is
 the only field changed: the layers are the shape's own, the output head is smaller.
+Env: GRAMMARS=regex,json (which), DEFER=0 (no step leaves its sample to the next).
 """
+import os
 import shutil
 import sys
 import tempfile
@@ -17,12 +19,17 @@ from pathlib import Path
 from shoal.bench.structured import run_structured
 from tokenized_ckpt import build
 
+if os.environ.get("DEFER") == "0":  # each step samples in its own execute (before deferral)
+    from shoal.engine.model_runner import ModelRunner
+    _execute = ModelRunner.execute
+    ModelRunner.execute = lambda self, *a, defer=False, **k: _execute(self, *a, **k)
+grammars = os.environ.get("GRAMMARS", "regex,json").split(",")
 tok_dir = Path(sys.argv[1])
 for spec in sys.argv[2:]:
     shape, _, prompts = spec.partition(":")
     path = Path(tempfile.mkdtemp(prefix="shoal-structured-"))
     vocab = build(tok_dir, shape, path)
-    for grammar in ("regex", "json"):
+    for grammar in grammars:
         print(f"== {shape} (vocab {vocab}), {prompts} prompts, grammar {grammar}", flush=True)
         run_structured(str(path), int(prompts or 64), 128, "cuda", rounds=3, grammar=grammar)
     shutil.rmtree(path)
