@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +115,7 @@ class Grammars:
         self._unread: tuple[list[str], object] | None = None
         self._ahead: tuple[list[str], Future] | None = None  # (request ids, `prepare`'s masks)
         self._thread: ThreadPoolExecutor | None = None
+        self._dropped: list[str] = []  # requests forgotten while the worker was filling
 
     def _matcher(self, request_id: str, spec: StructuredOutput):
         m = self._matchers.get(request_id)
@@ -151,9 +152,16 @@ class Grammars:
                             "next token", rid, token, m.get_error())
 
     def forget(self, request_id: str) -> None:
-        if self._ahead is not None:  # the worker may be using this request's matcher
-            wait([self._ahead[1]])
-        self._matchers.pop(request_id, None)
+        """Drop a request's matcher: now, or once the worker that may be using it is done
+        (never waited for here: a request ends while its last masks are being filled)."""
+        self._dropped.append(request_id)
+        if self._ahead is None or self._ahead[1].done():
+            self._drop()
+
+    def _drop(self) -> None:
+        for request_id in self._dropped:
+            self._matchers.pop(request_id, None)
+        self._dropped.clear()
 
     # -- the next sample's masks, filled ahead on a worker thread --------------------------
 
@@ -196,7 +204,10 @@ class Grammars:
 
     def _wait(self) -> torch.Tensor | None:
         ahead, self._ahead = self._ahead, None
-        return None if ahead is None else ahead[1].result()
+        try:
+            return None if ahead is None else ahead[1].result()
+        finally:
+            self._drop()
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -250,3 +250,27 @@ def test_a_deferred_sample_s_waiter_is_released_on_a_broken_device(smollm2, monk
     assert not isinstance(raised.value, ValueError) and runner._deferred is None
     with pytest.raises(ValueError, match="a sample that fails"):
         deferred.sampled.tolist()
+
+
+def test_a_request_is_forgotten_without_waiting_for_the_masks_being_filled(smollm2):
+    """A request ends while the worker fills the masks of its last sample (in the overlap
+    loop, every time): its matcher goes once the worker is done, and the forget itself does
+    not wait for it (the executing thread would stall there)."""
+    from types import SimpleNamespace
+
+    from shoal.structured_output import Grammars
+    from shoal.util import HostCopy
+    base = smollm2.engine.runner.sampler.grammars
+    grammars = Grammars(base._hf_tokenizer, base.vocab_size, base._eos)
+    sp = SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="[a-z ]+"))
+    rows = [SimpleNamespace(request_id=f"r{i}", sampling=sp) for i in range(2)]
+    grammars.masks(rows)  # (their matchers)
+    gate, fill = threading.Event(), grammars._fill
+    grammars._fill = lambda rows: (gate.wait(timeout=60), fill(rows))[1]  # (a hang guard)
+    token = smollm2.engine.tokenizer.encode("a")[-1]
+    grammars.prepare(rows, HostCopy(torch.tensor([token, token])))
+    grammars.forget("r0")
+    assert not gate.is_set() and set(grammars._matchers) == {"r0", "r1"}  # still filling
+    gate.set()
+    mask = grammars.masks(rows[1:])
+    assert set(grammars._matchers) == {"r1"} and mask.shape == (1, grammars.num_words)

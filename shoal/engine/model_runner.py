@@ -168,15 +168,18 @@ class ModelRunner:
         if deferred is None:
             return
         try:
-            with torch.inference_mode():
-                deferred.sampled.resolve(self._sample(deferred.logits, deferred.requests))
+            try:
+                with torch.inference_mode():
+                    tokens = self._sample(deferred.logits, deferred.requests)
+            finally:  # (before its waiter goes on: it may forget requests too)
+                for request_id in deferred.forgotten:
+                    self._forget(request_id)
         except BaseException as e:  # (raised to its waiter, whatever it is)
             deferred.sampled.fail(e)  # first: its waiter is released whatever follows
             self._prev_tokens = torch.zeros(len(deferred.requests), dtype=torch.int32,
                                             device=self.device)
-        finally:
-            for request_id in deferred.forgotten:
-                self._forget(request_id)
+        else:
+            deferred.sampled.resolve(tokens)
 
     def _sample(self, logits: torch.Tensor, requests) -> torch.Tensor:
         self._prev_tokens = self.sampler.sample_on_device(logits, requests).int()
