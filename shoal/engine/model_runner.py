@@ -147,8 +147,9 @@ class ModelRunner:
                                         layer_hooks)
                     logits = self.model.compute_logits(hidden[sample_rows])
                     self._prompt_logprobs = self._of_prompts(batch, hidden)
-            finally:
+            except BaseException:
                 self.flush()  # (a failed step never leaves the last one's sample waiting)
+                raise
             self._prev_rows = {r.request_id: row for row, r in enumerate(requests)}
             num_top = [r.sampling.logprobs for r in requests]
             if defer and self.model.shard.size == 1 and all(k is None for k in num_top) \
