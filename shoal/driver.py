@@ -16,6 +16,7 @@ passes a callback that does `loop.call_soon_threadsafe(...)`, so no thread waits
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -23,9 +24,10 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import Protocol
 
-from shoal.engine.build import collect_what_was_shut_down
-from shoal.engine.engine import EngineLike
+from shoal.engine.build import EngineInfo
+from shoal.model.tokenizer import Tokenizer
 from shoal.request import NewRequest, RequestOutput, StepResult
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,36 @@ def result_of(fut: Future, timeout: float | None = None):
 
 
 _END = object()  # a stream's last item
+
+
+class EngineLike(Protocol):
+    """What the driver thread runs: one rank's `Engine`, or a `Fleet` of rank processes."""
+
+    tokenizer: Tokenizer
+    info: EngineInfo
+
+    @property
+    def has_work(self) -> bool: ...
+    def add(self, new: NewRequest) -> str: ...
+    def cancel(self, request_id: str) -> None: ...
+    def step(self) -> StepResult: ...
+    def stats(self) -> dict: ...
+    def check_integrity(self) -> None: ...
+    def drain(self) -> StepResult: ...
+    def shutdown(self) -> None: ...
+    def wake(self) -> None: ...  # the driver queued work: a step waiting for ranks returns
+
+
+def collect_what_was_shut_down() -> None:
+    """After an engine shut down and was let go, when a reference cycle still holds it: its
+    objects were frozen with the rest at its bring-up, out of the cyclic collector's reach,
+    so the cycle would keep its weights and KV memory for the life of the process (on a
+    GPU, each engine a process builds after another would add its own until one no longer
+    fits). Collect once with everything thawed (~0.2-0.5 s); freeze the survivors (other
+    engines, the libraries) again. An engine no cycle holds is freed when let go."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 class RequestHandle:

@@ -10,9 +10,9 @@ from typing import Sequence
 
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorConfig, ConnectorError
-from shoal.engine.engine import Engine, EngineLike
+from shoal.driver import Driver, EngineLike, RequestHandle
+from shoal.engine.engine import Engine
 from shoal.request import NewRequest, RequestOutput
-from shoal.driver import Driver, RequestHandle
 from shoal.sampling import SamplingParams
 
 Prompt = str | Sequence[int]  # text, or token ids used as they are

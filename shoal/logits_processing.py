@@ -2,7 +2,7 @@
 frequency and presence penalties, logit_bias, and min_tokens (stop tokens barred), as
 OpenAI and vLLM define them. Batched over the rows that asked; rows that did not are left
 alone, so greedy output is unchanged when none of these is set. Then, for the rows that
-sample, the min-p, top-k and top-p filters.
+sample, the min-p, top-k and top-p filters, and the Gumbel noise they draw with.
 
 The penalties need the tokens each request has produced. Those are counted on the device as
 they are sampled (`TokenCounts`), so a step never waits for the previous step's tokens to
@@ -108,3 +108,31 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: list[int], top_p: list[float
     drop |= (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def signed64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 torch stores."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (signed64(0x9E3779B97F4A7C15), signed64(0xBF58476D1CE4E5B9),
+                         signed64(0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def gumbel_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] float64 Gumbel noise, a pure function of (seed, draw, token id): a counter-
+    based hash (splitmix64 finaliser) instead of a generator's state, so a request's draws
+    are the same in any batch, on any device and on every TP rank. int64 products wrap."""
+    v = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = seeds[:, None] * _GOLDEN + draws[:, None] * _MIX1 + v[None, :]
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    u = (_shift_right(x, 11).double() + 0.5) * 2.0 ** -53  # uniform in (0, 1)
+    return -torch.log(-torch.log(u))

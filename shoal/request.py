@@ -14,7 +14,8 @@ from shoal.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (new or preempted); holds no blocks
-    WAITING_FOR_LOAD = "waiting_for_load"  # blocks allocated, an async pool load fills them
+    WAITING_FOR_LOAD = "waiting_for_load"  # cancelled while its load is pending: out of the
+    # running requests, its blocks held until the load drains (a loading request runs)
     RUNNING = "running"  # holds blocks, scheduled every step until finished
     SAVING = "saving"  # finished, an async save still reads its blocks
     FINISHED = "finished"

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.logits_processing import (TokenCounts, add_at, apply_penalties, min_p_filter,
-                                     top_k_top_p_filter)
+from shoal.logits_processing import (TokenCounts, add_at, apply_penalties, gumbel_noise,
+                                     min_p_filter, signed64, top_k_top_p_filter)
 from shoal.structured_output import Grammars, StructuredOutput, mask_logits_
 from shoal.util import HostCopy, to_device
 
@@ -165,34 +165,6 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
     return out
 
 
-def _signed(x: int) -> int:
-    """An unsigned 64-bit constant as the int64 torch stores."""
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN, _MIX1, _MIX2 = (_signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9),
-                         _signed(0x94D049BB133111EB))
-
-
-def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch shifts arithmetically)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def gumbel_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, vocab] float64 Gumbel noise, a pure function of (seed, draw, token id): a counter-
-    based hash (splitmix64 finaliser) instead of a generator's state, so a request's draws
-    are the same in any batch, on any device and on every TP rank. int64 products wrap."""
-    v = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    x = seeds[:, None] * _GOLDEN + draws[:, None] * _MIX1 + v[None, :]
-    x = (x ^ _shift_right(x, 30)) * _MIX1
-    x = (x ^ _shift_right(x, 27)) * _MIX2
-    x = x ^ _shift_right(x, 31)
-    u = (_shift_right(x, 11).double() + 0.5) * 2.0 ** -53  # uniform in (0, 1)
-    return -torch.log(-torch.log(u))
-
-
 class Sampler:
     """Picks one token per row of logits, on the logits' device, in one batch. First each
     row's own settings shape its logits (penalties, logit_bias, min_tokens: see
@@ -309,7 +281,7 @@ class Sampler:
 
     def _next_draw(self, rid: str, sp: SamplingParams) -> tuple[int, int]:
         seed, n = self._draws.get(rid) or (
-            _signed(sp.seed if sp.seed is not None else random.getrandbits(63)), 0)
+            signed64(sp.seed if sp.seed is not None else random.getrandbits(63)), 0)
         self._draws[rid] = (seed, n + 1)
         return seed, n
 

@@ -35,7 +35,7 @@ ALLOWED = {
     "shoal.structured_output": (),
     "shoal.config": ("shoal.connectors.base",),
     # the library's front: the engine (one rank) or a fleet, on the driver thread
-    "shoal.driver": ("shoal.engine", "shoal.request"),
+    "shoal.driver": ("shoal.engine", "shoal.model.tokenizer", "shoal.request"),
     "shoal.llm": ("shoal.config", "shoal.connectors.base", "shoal.driver", "shoal.engine",
                   "shoal.parallel", "shoal.request", "shoal.sampling"),
     # the server: over the library's public face, never the engine's insides

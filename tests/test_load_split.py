@@ -41,7 +41,7 @@ def test_a_split_that_saves_less_than_a_forward_is_computed():
     a 50 ms forward."""
     p = planner(prefill=1000.0, load=10.0)
     p.prefill_overhead_s = 0.05
-    assert p.front_step(0, 0, 127, 127, None, 0.0).drop_to < 127  # the bare split
+    assert p.front_step(0, 127, 127, None, 0.0).drop_to < 127  # the bare split
     d = p.admit(0, 127)
     assert d.load_from == 127 and d.first is None
     q = planner(prefill=1000.0, load=1000.0)  # a load as fast as computing: it pays
@@ -233,7 +233,7 @@ def test_a_step_that_is_mostly_its_launches_does_not_teach_the_rate():
 def test_the_load_s_own_rate_overrides_earlier_loads():
     p = planner(prefill=1000.0, load=1e9)
     # 10 s in, only 16 of 1024 tokens landed: this load is dead slow, compute the rest
-    step = p.front_step(0, 0, 63, 64, started=0.0, now=10.0)
+    step = p.front_step(0, 63, 64, started=0.0, now=10.0)
     assert step.num_tokens == min(63 * BS, 8192) and step.drop_to == 63
 
 
@@ -243,10 +243,10 @@ def test_a_few_first_blocks_do_not_replace_earlier_loads_rate():
     earlier rate gives it (n C / (C + L), ~400 tokens; at 24k it would take ~900). Far
     slower (4x) counts at once."""
     p = planner(prefill=20_000.0, load=77_000.0)
-    step = p.front_step(0, 0, 124, 127, started=0.0, now=0.002)
+    step = p.front_step(0, 124, 127, started=0.0, now=0.002)
     assert 1984 * 20 // 97 - BS <= step.num_tokens <= 1984 * 20 // 97 + BS, step
     p = planner(prefill=635.0, load=77_000.0)
-    slow = p.front_step(0, 0, 124, 127, started=0.0, now=0.3)  # 160 tokens/s: its share
+    slow = p.front_step(0, 124, 127, started=0.0, now=0.3)  # 160 tokens/s: its share
     assert slow.num_tokens == 1984 * 635 // (635 + 160) // BS * BS and slow.drop_to == 99
 
 
@@ -258,9 +258,9 @@ def test_a_fast_load_ramping_up_is_not_taken_for_slow():
     earlier rate holds until it would have landed 8 blocks 4 times over."""
     p = planner(prefill=1320.0, load=72_700.0, latency=0.00265)
     p.prefill_overhead_s = 0.08
-    assert p.front_step(0, 0, 125, 127, started=0.0, now=0.006).num_tokens == 0
+    assert p.front_step(0, 125, 127, started=0.0, now=0.006).num_tokens == 0
     # still 2 blocks at 30 ms: that is slow
-    assert p.front_step(0, 0, 125, 127, started=0.0, now=0.03).num_tokens > 0
+    assert p.front_step(0, 125, 127, started=0.0, now=0.03).num_tokens > 0
 
 
 def test_a_front_whose_forward_still_runs_plans_its_next_share_after_it():
@@ -272,10 +272,10 @@ def test_a_front_whose_forward_still_runs_plans_its_next_share_after_it():
     assert 2600 <= first.num_tokens <= 3200, first
     front = first.num_tokens
     busy = p.compute_seconds(0, front)  # just launched
-    still = p.front_step(front, first.drop_to, 512, 512, started=0.0, now=0.001, busy=busy)
+    still = p.front_step(front, 512, 512, started=0.0, now=0.001, busy=busy)
     assert still.num_tokens == 0 and still.drop_to == 0, still
     # the same step as if the forward were done takes a share of what the load has left
-    assert p.front_step(front, first.drop_to, 512, 512, started=0.0, now=0.001).num_tokens > 0
+    assert p.front_step(front, 512, 512, started=0.0, now=0.001).num_tokens > 0
 
 
 def test_the_first_landed_unit_is_not_taken_for_the_rate():
@@ -285,16 +285,16 @@ def test_the_first_landed_unit_is_not_taken_for_the_rate():
     loads) it is ~26,000: the load keeps the back. A load that is really slow still loses
     it."""
     p = planner(prefill=5000.0, load=100_000.0, latency=0.05)
-    fast = p.front_step(0, 0, 48, 64, started=0.0, now=0.06)
+    fast = p.front_step(0, 48, 64, started=0.0, now=0.06)
     assert fast.drop_to <= 16, fast  # at most a third of what is left is computed
-    slow = p.front_step(0, 0, 48, 64, started=0.0, now=4.0)  # 256 tokens in 4 s: slow
+    slow = p.front_step(0, 48, 64, started=0.0, now=4.0)  # 256 tokens in 4 s: slow
     assert slow.drop_to == 48, slow
 
 
 def test_no_word_from_a_first_load_is_waited_for_only_so_long():
     p = planner(prefill=1000.0)  # computing the 1024 tokens takes 1.024 s: 5% of it, 51 ms
-    assert p.front_step(0, 0, 64, 64, started=0.0, now=0.05).num_tokens == 0
-    step = p.front_step(0, 0, 64, 64, started=0.0, now=0.052)
+    assert p.front_step(0, 64, 64, started=0.0, now=0.05).num_tokens == 0
+    step = p.front_step(0, 64, 64, started=0.0, now=0.052)
     assert step.num_tokens == 1024 and step.drop_to == 64
 
 
@@ -314,17 +314,17 @@ def test_a_load_overdue_is_taken_for_slow():
     nothing of its 1024 tokens after 1 s (it may land all at once: that is all the silence
     says), later after 100 s: at most 10 tokens/s, so the front computes the rest."""
     p = planner(prefill=1000.0, load=1000.0, latency=0.01)
-    assert p.front_step(0, 0, 64, 64, started=0.0, now=0.005).num_tokens < 1024
-    assert p.front_step(0, 0, 64, 64, started=0.0, now=1.0).num_tokens < 1024
-    step = p.front_step(0, 0, 64, 64, started=0.0, now=100.0)
+    assert p.front_step(0, 64, 64, started=0.0, now=0.005).num_tokens < 1024
+    assert p.front_step(0, 64, 64, started=0.0, now=1.0).num_tokens < 1024
+    step = p.front_step(0, 64, 64, started=0.0, now=100.0)
     assert step.num_tokens == 1024 and step.drop_to == 64
 
 
 def test_the_front_never_passes_the_landed_blocks():
     p = planner(prefill=1e6, load=10.0)
-    step = p.front_step(40 * BS, 40, 50, 64, started=0.0, now=1.0)
+    step = p.front_step(40 * BS, 50, 64, started=0.0, now=1.0)
     assert step.num_tokens <= 10 * BS and step.drop_to <= 50
-    assert p.front_step(50 * BS, 50, 50, 64, started=0.0, now=1.0).num_tokens == 0
+    assert p.front_step(50 * BS, 50, 64, started=0.0, now=1.0).num_tokens == 0
 
 
 def test_measurements_move_the_rates():
@@ -476,5 +476,5 @@ def test_a_long_front_costs_more_per_token_than_a_short_one():
     front_s, load_s = t(x), rest / 100_000
     assert abs(front_s - load_s) <= BS / 100_000 + BS * (1 + w * 8192) / 100_000
     # deep into a context, the same share costs more: the front takes less
-    later = p.front_step(4096, 256, 512, 512, None, 0.0)
+    later = p.front_step(4096, 512, 512, None, 0.0)
     assert later.num_tokens < d.first.num_tokens * 4096 // 8192 + BS

@@ -28,7 +28,7 @@ import torch
 from shoal.connectors import ConnectorConfig, ConnectorContext, KVCacheRegistration
 from shoal.connectors.fs import format as pf
 from shoal.connectors.fs.connector import BlockTransfer, FsPoolMeta, FsPoolWorker
-from shoal.engine.build import hand_over_the_gil_often
+from shoal.util import hand_over_the_gil_often
 from shoal.engine.engine import IDLE_WAIT_SECONDS
 from shoal.kv.kv_cache import KVCacheLayout
 

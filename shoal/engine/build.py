@@ -3,11 +3,8 @@ namespace, and the connector's transfers. What it discovers comes back as `Engin
 
 from __future__ import annotations
 
-import atexit
-import gc
 import hashlib
 import logging
-import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -20,11 +17,10 @@ from shoal.engine.transfers import KVTransfers
 from shoal.kv.block_keys import make_namespace
 from shoal.kv.kv_cache import KVCache, KVCacheLayout
 from shoal.kv.kv_cache_manager import KVCacheManager
-from shoal.model.attention_backend import default_backend
-from shoal.model.llama import LlamaModel
-from shoal.model.rope import rope_inv_freq
+from shoal.model.llama import LlamaModel, build_model
 from shoal.model.loader import load_model_source
 from shoal.model.tokenizer import Tokenizer
+from shoal.util import hand_over_the_gil_often
 
 log = logging.getLogger(__name__)
 
@@ -53,60 +49,6 @@ class EngineParts:
     info: EngineInfo
 
 
-GPU_GIL_SWITCH_SECONDS = 100e-6
-
-
-def hand_over_the_gil_often() -> None:
-    """A GPU engine's host threads (the forward thread of the overlap loop, the pool's I/O
-    threads) each hold the GIL briefly between waits that release it; with Python's default
-    5 ms switch interval one that wants the GIL back after a wait (a step's tokens arrived,
-    a copy ended) can wait up to 5 ms behind a thread running Python, which would be most
-    of a decode step. A process running a GPU engine is a server: set for the process."""
-    if sys.getswitchinterval() > GPU_GIL_SWITCH_SECONDS:
-        sys.setswitchinterval(GPU_GIL_SWITCH_SECONDS)
-
-
-def freeze_what_was_built() -> None:
-    """Collect, then move every object alive now (the model, torch's and the other
-    libraries' modules: hundreds of thousands) out of the cyclic collector's reach: the
-    collections a step's short-lived objects set off would otherwise scan them all (two
-    such passes took 0.46 s of a 0.67 s batch of 256 on a 2-core machine). Unfrozen at
-    exit (below), so the interpreter's last collection still finalizes them: Triton's
-    bindings report objects left alive then as leaks."""
-    gc.collect()
-    gc.freeze()
-
-
-atexit.register(gc.unfreeze)  # a no-op when nothing was frozen
-
-
-def collect_what_was_shut_down() -> None:
-    """After an engine shut down and was let go, when a reference cycle still holds it: its
-    objects were frozen with the rest at its bring-up, out of the cyclic collector's reach,
-    so the cycle would keep its weights and KV memory for the life of the process (on a
-    GPU, each engine a process builds after another would add its own until one no longer
-    fits). Collect once with everything thawed (~0.2-0.5 s); freeze the survivors (other
-    engines, the libraries) again. An engine no cycle holds is freed when let go."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-
-
-def _allocate(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Uninitialised storage on `device` for each parameter and buffer on the meta device
-    (the weights are loaded next). As Module.to_empty, without its empty_like, whose meta
-    implementation loads about half a second of torch's Python into every process."""
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                module._parameters[name] = torch.nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
-        for name, b in module._buffers.items():
-            if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
-    return model
-
-
 def build_engine_parts(config: EngineConfig, peers: Peers,
                        on_stuck: Callable[[str], None] | None = None) -> EngineParts:
     device = torch.device(config.device)
@@ -116,14 +58,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     source = load_model_source(config.model)
     cfg = source.config
     tokenizer = Tokenizer(source.tokenizer_dir, source.gguf_file, source.checksum)
-    with torch.device("meta"):
-        model = LlamaModel(cfg, peers.shard, default_backend(device))
-    model = _allocate(model.to_dtype(dtype), device)  # storage allocated once, in its dtype
-    model.tie_weights_if_needed()
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the dtype (as transformers)
-    model.load_hf_state_dict(source.weights)
-    model.eval()
-    del source.weights
+    model = build_model(source, peers.shard, device, dtype)
 
     parts, heads, dim = cfg.kv_token_shape(peers.shard.attention_size)
     probe = KVCacheLayout(1, cfg.num_layers, config.block_size, heads, dim, dtype, parts)

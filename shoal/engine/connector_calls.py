@@ -57,7 +57,6 @@ class ConnectorCalls:
         # what waits on the stuck engine (LLM: its handles; a rank: the process)
         self.on_stuck = on_stuck
         self._watchdog = HookWatchdog(config.transfer_timeout_sec, self._hook_stuck)
-        self.layer_hooks = _LayerHooks(self)
 
     def fail(self, what: str, request_id: str | None = None) -> None:
         """Record a fatal failure (the first one counts); the engine stops at its next step."""
@@ -84,6 +83,13 @@ class ConnectorCalls:
     def work(self, hook: str, call: Callable[[Any], T], safe: T = None) -> T:
         """A worker-side hook (on the thread that runs the forward)."""
         return self._guarded(f"worker {hook}", lambda: call(self.worker), safe)
+
+    # the per-layer worker hooks, as the forward calls them (shoal.model.llama)
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        self.work("wait_for_layer_load", lambda w: w.wait_for_layer_load(layer_idx))
+
+    def save_kv_layer(self, layer_idx: int) -> None:
+        self.work("save_kv_layer", lambda w: w.save_kv_layer(layer_idx))
 
     def _guarded(self, hook: str, fn: Callable[[], T], safe: T, request_id: str | None = None) -> T:
         if self.failure is not None:
@@ -115,19 +121,6 @@ class ConnectorCalls:
         self.worker.shutdown()
         if self.scheduler is not None:
             self.scheduler.shutdown()
-
-
-class _LayerHooks:
-    """The per-layer worker hooks, as the forward calls them (exceptions are fatal)."""
-
-    def __init__(self, calls: ConnectorCalls):
-        self._calls = calls
-
-    def wait_for_layer_load(self, layer_idx: int) -> None:
-        self._calls.work("wait_for_layer_load", lambda w: w.wait_for_layer_load(layer_idx))
-
-    def save_kv_layer(self, layer_idx: int) -> None:
-        self._calls.work("save_kv_layer", lambda w: w.save_kv_layer(layer_idx))
 
 
 def request_view(req, ctx: ConnectorContext) -> RequestView:

@@ -19,19 +19,18 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 from shoal.config import EngineConfig
-from shoal.engine.build import EngineInfo, build_engine_parts, freeze_what_was_built
-from shoal.engine.load_split import RATES
+from shoal.engine.build import EngineInfo, build_engine_parts
 from shoal.engine.model_runner import NO_TOKENS, LateTokens, ModelRunner, SampledTokens
 from shoal.engine.peers import Peers, StepVote
 from shoal.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.engine.connector_calls import keep_alive
 from shoal.engine.transfers import TransferReport
-from shoal.model.tokenizer import Tokenizer
 from shoal.structured_output import Grammars
 from shoal.request import NewRequest, Request, RequestOutput, RequestStatus, StepResult
+from shoal.util import freeze_what_was_built
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +54,6 @@ STAT_KEYS = (
     "host_load_tokens_per_s", "host_load_latency_s", "pool_hit_host_tokens", "front_slowdown",
     "load_slowdown",
 )
-# gauges of a rate, not counts: across ranks, the mean of those that measured one (0: none)
-RATE_STATS = tuple(RATES.values())
-
-
-class EngineLike(Protocol):
-    """What the driver thread runs: one rank's `Engine`, or a `Fleet` of rank processes."""
-
-    tokenizer: Tokenizer
-    info: EngineInfo
-
-    @property
-    def has_work(self) -> bool: ...
-    def add(self, new: NewRequest) -> str: ...
-    def cancel(self, request_id: str) -> None: ...
-    def step(self) -> StepResult: ...
-    def stats(self) -> dict: ...
-    def check_integrity(self) -> None: ...
-    def drain(self) -> StepResult: ...
-    def shutdown(self) -> None: ...
-    def wake(self) -> None: ...  # the driver queued work: a step waiting for ranks returns
-
-
 @dataclass
 class _Executed:
     """What executing one batch produced (on the executing thread)."""

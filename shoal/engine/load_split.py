@@ -1,35 +1,16 @@
 """Compute or load? How a pool hit is split between the front the engine computes and the
-back the connector loads (SPEC 3.1), from rates measured while the engine runs.
-
-A hit of n tokens after the local prefix is loaded last block first while the engine
-computes its front. At admission the hit is split where both would end together: the
-front's share is computed in one forward (on a GPU a forward's fixed cost is worth not
-paying twice) and the load starts after it. While the load runs, its own rate replaces
-the estimate: a load slower than expected has the blocks the front reaches next dropped
-(copies already running still land) and computed instead. Where the two meet, the
-request jumps past the landed blocks. With a prefill rate of C tokens/s and a load rate
-of L tokens/s they meet after about n / (C + L) seconds, plus the larger of a forward's
-fixed cost and the load's first-block latency.
+back the connector loads (SPEC 3.1), from rates measured while the engine runs; the rules
+and the stats that show them: docs/connectors.md, "Loads".
 
     tokens   c ..... front ....|.. dropped ..|..... queued / copying ....|.. landed .. e
              computed, a chunk  the front's   the load's (never touched   first-last
              a step             next chunks   by a forward)
 
-The rates are exponentially weighted averages: the prefill rate and a forward's fixed cost
-from two forwards at bring-up (where the engine can run one; on a GPU also the host's time
-launching one, which no eager forward takes less than) and from steps that are
-mostly prefill with no load pending (a load's I/O threads slow the steps they overlap),
-the load rate and latency from each finished load (a split's load, slowed beside its
-front, teaches how much slower: `observe_load`), and all of them from the last run
-(kept per model, device and connector options). Loads have two rates: from the store and
-from host memory (blocks the worker keeps in its host tier, as the connector's scheduler
-side expects: `get_num_matched_host_tokens`), often 5-10x apart on a GPU; a hit's rate
-weighs the two by its share of each, and a finished load teaches the rate of the source
-most of it came from. While a rate is unknown the load goes on and the front waits (but
-no longer than 5% of the time computing it all takes). A forward's cost grows with its
-context: the prefill rate is per unit of work (`LoadPlanner`), so a long front is not sized
-from a short forward's rate. Under TP every rank must decide alike: the lead rank's
-planner decides (KVTransfers shares its answers).
+With a prefill rate of C tokens/s and a load rate of L tokens/s, the two meet after about
+n / (C + L) seconds plus the larger of a forward's fixed cost and the load's first-block
+latency. Rates are exponentially weighted averages (the prefill rate per unit of work,
+`LoadPlanner.work`; the load rates per source: store or host memory), kept between runs.
+Under TP the lead rank's planner decides (KVTransfers shares its answers).
 """
 
 from __future__ import annotations
@@ -59,17 +40,14 @@ ALL_AT_ONCE = 0.9
 # but slow to start loses its gain; one on a dead-slow store costs this much)
 UNKNOWN_LOAD_WAIT = 0.05
 # on a GPU, a front computes only where it and the load end at least this share sooner
-# than the load alone: a front's forward beside a load runs slower than the model says
-# (its launches share the GIL with the load's threads, its kernels the GPU with the
-# copies; on an H100 an 8B split predicted 7% sooner than loading whole from host memory
-# ran 15-30% later). Not on a CPU, where splits run as the model says (`shoal demo`'s warm
-# TTFT: 0.13x of the cold one without a margin, 0.14-0.16x with 10%)
+# than the load alone: beside a load a front's forward runs slower than the model says
+# (launches share the GIL with the load's threads, kernels the GPU with the copies). Not
+# on a CPU, where splits run as the model says
 MIN_SPLIT_GAIN = 0.1
-# a front's forward beside its load, against the model's estimate of it alone: measured from
-# the front's steps (`observe_front`; averaged from 1, so one stalled step is not all of
-# it), at most this much slower; each hit not split takes this share of the slowdown away
-# (else a front once measured slow would never be computed, or measured, again); the same
-# for a split's load beside its front, against its time alone (`observe_load`)
+# a front's forward beside its load against the model's estimate of it alone (`observe_front`),
+# and a split's load beside its front against its time alone (`observe_load`): averaged
+# from 1, at most this much slower; each hit not split takes this share of it away (else a
+# split once measured slow would never be tried, or measured, again)
 MAX_SLOWDOWN = 8.0
 SLOWDOWN_DECAY = 0.1
 # the planner's rates (attribute, also its name in a rates file) -> their stats() key
@@ -86,6 +64,11 @@ class Ewma:
     def add(self, x: float) -> None:
         if x > 0 and math.isfinite(x):
             self.value = x if self.value is None else (1 - SMOOTHING) * self.value + SMOOTHING * x
+
+    @property
+    def factor(self) -> float:
+        """A slowdown's value (1 until measured)."""
+        return self.value or 1.0
 
 
 @dataclass(frozen=True)
@@ -137,24 +120,18 @@ class LoadPlanner:
         """The work of computing positions [start, start + num_tokens) of a request."""
         return num_tokens + self.attention_weight * num_tokens * (start + num_tokens / 2)
 
-    def compute_seconds(self, start: int, num_tokens: int) -> float:
-        """The expected time of a forward computing positions [start, start + num_tokens)
-        (0 while the prefill rate is unknown)."""
+    def compute_seconds(self, start: int, num_tokens: int, slowed: bool = True) -> float:
+        """The expected time of a front's forward computing positions [start, start +
+        num_tokens), beside its load unless not `slowed` (0 while the prefill rate is unknown)."""
         C = self.prefill_tps.value
-        return self._forward_seconds(start, num_tokens, C) if C else 0.0
-
-    def _forward_seconds(self, start: int, num_tokens: int, C: float) -> float:
-        """A front's forward, beside its load."""
-        work = self.prefill_overhead_s + self.work(start, num_tokens) / C
-        return max(self.prefill_launch_s, work) * self._factor(self.front_slowdown)
-
-    @staticmethod
-    def _factor(slowdown: Ewma) -> float:
-        return slowdown.value or 1.0  # (1 until measured)
+        if not C:
+            return 0.0
+        alone = max(self.prefill_launch_s, self.prefill_overhead_s + self.work(start, num_tokens) / C)
+        return alone * self.front_slowdown.factor if slowed else alone
 
     def _learn_slowdown(self, ratio: Ewma, x: float) -> None:
         """A measured slowdown x, averaged from 1, within [1, MAX_SLOWDOWN]."""
-        ratio.value = self._factor(ratio)
+        ratio.value = ratio.factor
         ratio.add(min(max(x, 1.0), MAX_SLOWDOWN))
 
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float],
@@ -200,10 +177,8 @@ class LoadPlanner:
             self.prefill_tps.add(sum(self.work(s, n) for s, n in chunks) / busy)
 
     def observe_front(self, chunks: list[tuple[int, int]], seconds: float) -> None:
-        """A step that was mostly a front beside its load took `seconds` (its launches share
-        the GIL with the load's threads, its kernels the GPU with the copies: on an H100 a
-        1B front of 1,216 tokens beside a load from host memory took 10-16 ms against 5.7
-        estimated); chunks as in observe_prefill."""
+        """A step that was mostly a front beside its load took `seconds`; chunks as in
+        observe_prefill."""
         C = self.prefill_tps.value
         if C and sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS:
             alone = max(self.prefill_launch_s, self.prefill_overhead_s
@@ -216,12 +191,11 @@ class LoadPlanner:
         `first_landed_s` (None: not seen before the load finished, as if all at once);
         `host_share` of them were expected from host memory; `split`: planned beside a front,
         it teaches the load's slowdown beside one, not the rates, unless it was faster than
-        they say (on an H100 a 1B split's load ran at 214k tokens/s against 340k alone: taught
-        as the store's rate, it made loading whole look slower, and every next hit split
-        again). A load that landed nothing (the front computed it all first) says only that
+        they say (taught as the store's rate, a slowed load makes loading whole look slower
+        than it is). A load that landed nothing (the front computed it all first) says only that
         the source delivered less than a block in `seconds` (beside a front, g times that): its
         rate is at most that (else no engine would learn the rate of a dead-slow store)."""
-        g = self._factor(self.load_slowdown) if split else 1.0
+        g = self.load_slowdown.factor if split else 1.0
         if num_tokens <= 0:
             rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
             if seconds > 0 and (rate.value is None or rate.value > g * self.block_size / seconds):
@@ -270,7 +244,7 @@ class LoadPlanner:
 
     def _admit(self, first: int, end: int, host_share: float) -> LoadDecision:
         front, remaining = first * self.block_size, (end - first) * self.block_size
-        step = self.front_step(front, first, end, end, None, 0.0, host_share)
+        step = self.front_step(front, end, end, None, 0.0, host_share)
         if step.drop_to >= end:  # computing it all is faster: nothing is loaded
             return LoadDecision(end, None)
         C, rate = self.prefill_tps.value, self.expected_rate(host_share)
@@ -280,23 +254,23 @@ class LoadPlanner:
         share = max(step.drop_to * self.block_size - front, 0)  # (the first step's tokens
         # may be fewer: a step's budget caps them)
         if C is not None and rate is not None and self.work(front, remaining) / C < self._ends(
-                front, share, remaining, C, *rate, 0, self._factor(self.load_slowdown)):
+                front, share, remaining, *rate, 0, self.load_slowdown.factor):
             return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
 
-    def _ends(self, front: int, x: int, remaining: int, C: float, L: float,
+    def _ends(self, front: int, x: int, remaining: int, L: float,
               latency: float, busy: float = 0.0, g: float = 1.0) -> float:
         """When a front of x of the `remaining` tokens (computed once `busy` seconds of the
         front's earlier forwards are done) and a load of the rest both end (beside a
         front, the load takes g times as long)."""
-        computed = busy + self._forward_seconds(front, x, C) if x else busy
+        computed = busy + self.compute_seconds(front, x) if x else busy
         return max(computed, (latency + (remaining - x) / L) * (g if x or busy else 1.0))
 
-    def front_step(self, front: int, writes_from: int, landed_from: int, end: int,
+    def front_step(self, front: int, landed_from: int, end: int,
                    started: float | None, now: float, host_share: float = 0.0,
                    busy: float = 0.0) -> FrontStep:
-        """The front at token `front` of a hit ending at block `end`; the load may still
-        write blocks [writes_from, landed_from) and has landed the rest; it started at
+        """The front at token `front` of a hit ending at block `end`; the load has landed
+        the blocks from `landed_from` on; it started at
         `started` (None: it has not started yet); `host_share` of the hit is expected from
         host memory; `busy`: seconds the front's forwards already launched still take (the
         overlap loop schedules a step while the last one runs: the front's next share
@@ -320,7 +294,7 @@ class LoadPlanner:
         # block latency on the other; f, g: each side's slowdown beside the other): a2 x^2 +
         # a1 x + a0 = 0, its positive root in a form stable at a2 = 0 (a forward's launches
         # bound it from below: checked on the share found)
-        f = self._factor(self.front_slowdown)
+        f = self.front_slowdown.factor
         a2 = f * self.attention_weight / (2 * C)
         a1 = f * (1 + self.attention_weight * front) / C + g / L
         a0 = busy + f * self.prefill_overhead_s - g * (latency + remaining / L)
@@ -331,13 +305,13 @@ class LoadPlanner:
         # of the block boundaries around the exact share, the one where both sides end
         # sooner (with a slow store, the block rounding down gives the load costs more)
         if (share + bs < remaining
-                and self._ends(front, share + bs, remaining, C, L, latency, busy, g)
-                < self._ends(front, share, remaining, C, L, latency, busy, g)):
+                and self._ends(front, share + bs, remaining, L, latency, busy, g)
+                < self._ends(front, share, remaining, L, latency, busy, g)):
             share += bs
         if (share < bs or self.work(front, share) < C * self.prefill_overhead_s  # less than a
                 # forward's fixed cost buys, or a forward whose launches outlast the load
-                or self._ends(front, share, remaining, C, L, latency, busy, g)
-                > (1 - self.min_gain) * self._ends(front, 0, remaining, C, L, latency, busy, g)):
+                or self._ends(front, share, remaining, L, latency, busy, g)
+                > (1 - self.min_gain) * self._ends(front, 0, remaining, L, latency, busy, g)):
             return FrontStep(0, 0)  # the load lands it, the front waits
         # the share in one forward (a GPU's forward has a fixed cost worth not paying twice);
         # the load from where the share ends
@@ -391,7 +365,7 @@ class LoadPlanner:
             return None
         L, F = expected
         overdue = (waited or 0.0) - F
-        g = self._factor(self.load_slowdown)
+        g = self.load_slowdown.factor
         if overdue > 0:  # later than the latency, and no own rate to go by yet
             return min(L, num_pending / overdue), 0.0, g
         return L, -overdue, g

@@ -7,10 +7,7 @@ forward, so the executing thread can prepare and launch the next step while the 
 still runs this one. A token a step samples stays on the device for the next step: a
 chunk's trailing placeholder (overlap loop: the token the previous step samples) is filled
 there from the previous step's samples, never from the host. In the overlap loop a step
-with structured rows leaves its sample to the next `execute`, which launches it after
-sending its own inputs: the rows' masks wait for the last tokens on the host and for the
-matchers (shoal.structured_output), and the next forward's host work now runs during that
-wait instead of after it.
+with structured rows may leave its sample to the next `execute` (`_Deferred`).
 
 One input layout for every attention backend (shoal.model.attention_backend, chosen when
 the model is built) and every path: ids, positions, KV slots, and per request its rows,

@@ -2,9 +2,7 @@
 
 `StepRows.of(chunks, ...)` builds the integer arrays a forward reads (token ids,
 positions, KV slots, and per chunk its rows, lengths and block-table row) from a batch's
-chunks, with numpy over the whole batch: a chunk costs a few attribute reads, whatever
-its kind (a 256-row decode step's arrays take ~0.2 ms of host time on a slow CPU, where
-three numpy calls per chunk took ~1 ms). The eager forward sends them with `StepInputs`;
+chunks, with numpy over the whole batch: a chunk costs a few attribute reads. The eager forward sends them with `StepInputs`;
 a CUDA graph copies them into its own padded layout (shoal.engine.cuda_graphs). Either
 way the block table comes from the rows kept across steps (`TableRows`).
 

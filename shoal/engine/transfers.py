@@ -49,7 +49,7 @@ class KVTransfers:
         self.ctx = ctx
         self.pool = pool
         self.calls = ConnectorCalls(config, ctx, registration, agreement, on_stuck)
-        self.layer_hooks = self.calls.layer_hooks
+        self.layer_hooks = self.calls  # (wait_for_layer_load, save_kv_layer)
         self.poller = TransferPoller(self.calls)
         # the front computes while the back loads where both sides can (SPEC 3.1)
         self.partial_loads = config.compute_while_loading and self.calls.partial_loads
@@ -95,10 +95,10 @@ class KVTransfers:
         self._host_tokens[req.request_id] = num_host
         limit = req.num_prompt_tokens - 1 - num_computed
         if num == 0 and is_async:
-            self.fail("get_num_new_matched_tokens answered (0, True): an async load of nothing",
-                      req.request_id)
+            self.calls.fail("get_num_new_matched_tokens answered (0, True): an async load "
+                            "of nothing", req.request_id)
         elif not 0 <= num <= max(limit, 0):
-            self.fail(f"get_num_new_matched_tokens offered {num} tokens; at most {limit} are "
+            self.calls.fail(f"get_num_new_matched_tokens offered {num} tokens; at most {limit} are "
                       "allowed (never the last prompt token)", req.request_id)
         else:
             return num
@@ -169,8 +169,8 @@ class KVTransfers:
         end = load.end_block(self.ctx.block_size)
         now = time.monotonic()
         step = self._decide(lambda: self.planner.front_step(
-            front, load.writes_from, load.landed_from, end, load.started, now,
-            load.host_share, busy=load.front_busy(now)))
+            front, load.landed_from, end, load.started, now, load.host_share,
+            busy=load.front_busy(now)))
         if step.drop_to > load.dropped_to:
             self._drop(req, step.drop_to)
             load.dropped_to = step.drop_to
@@ -225,9 +225,8 @@ class KVTransfers:
         for rid in sorted(report.aborted):  # nothing of these runs any more
             load = self._end_load(rid)
             if load is not None:
-                out.ended.append((load.request, "cancelled", None) if load.is_cancelled else
-                                 (load.request, "error", "the KV load did not finish within "
-                                  "its deadline and was aborted"))
+                out.ended.append(_ended(load, "the KV load did not finish within its deadline "
+                                        "and was aborted"))
             if self._end_save_episode(rid):
                 req = self._saving.pop(rid, None)
                 if req is not None:  # its tokens stand; the save is what failed
@@ -246,11 +245,15 @@ class KVTransfers:
             if load is None:
                 continue  # reported by an earlier poll already (the overlap loop polls twice)
             start = load.landed_start(self.ctx.block_size)
-            num_ok, error = self._load_result(load, start, report.failed_loads.get(rid))
+            self.planner.observe_load(*load.measured(start))  # the load's rates
+            num_ok, error, recomputed = load.outcome(start, report.failed_loads.get(rid),
+                                                     self.ctx.block_size,
+                                                     self.config.load_failure_policy)
+            self._counts["load_failures_recomputed"] += recomputed
             if load.is_cancelled or error is not None:
-                out.ended.append((load.request, "cancelled" if load.is_cancelled else "error",
-                                  None if load.is_cancelled else error))
+                out.ended.append(_ended(load, error))
             else:
+                self._counts["connector_tokens_loaded"] += num_ok - start
                 self._landed[rid] = LandedLoad(start, num_ok, load.num_cached, load.request)
         for rid in sorted(report.finished_saving):
             epoch = plan.save_epochs.get(rid)
@@ -282,7 +285,7 @@ class KVTransfers:
         """False (and fatal) if a load may still write the request's blocks: ordinary
         cleanup of such a request is refused; its end comes through `apply`."""
         if self.is_loading(req.request_id):
-            self.fail("refused to free the blocks of a request whose load is still pending",
+            self.calls.fail("refused to free the blocks of a request whose load is still pending",
                       req.request_id)
             return False
         return True
@@ -352,16 +355,6 @@ class KVTransfers:
         self._end_deadline(request_id)
         return load
 
-    def _load_result(self, load: PendingLoad, start: int, bad: int | None):
-        """PendingLoad.outcome, counted; the load's rates are measured here."""
-        self.planner.observe_load(*load.measured(start))
-        num_ok, error, recomputed = load.outcome(start, bad, self.ctx.block_size,
-                                                 self.config.load_failure_policy)
-        self._counts["load_failures_recomputed"] += recomputed
-        if error is None:
-            self._counts["connector_tokens_loaded"] += num_ok - start
-        return num_ok, error
-
     def _decide(self, decide: Callable[[], T]) -> T:
         """The lead rank's decision, on every rank (TP ranks must schedule alike)."""
         agreement = self.calls.agreement
@@ -388,9 +381,6 @@ class KVTransfers:
         """The connector's first fatal failure (the engine must stop), or None."""
         return self.calls.failure
 
-    def fail(self, what: str, request_id: str | None = None) -> None:
-        self.calls.fail(what, request_id)
-
     def stats(self) -> dict[str, float]:
         return {**self.calls.stats(), **self._counts, **self.poller.counts, **self.planner.stats()}
 
@@ -398,3 +388,8 @@ class KVTransfers:
         if self.calls.partial_loads and self.calls.agreement.is_lead and self.failure is None:
             save_rates(self.planner, self._rates_path)
         self.calls.shutdown()
+
+
+def _ended(load: PendingLoad, error: str | None) -> tuple[Request, str, str | None]:
+    """How a load's request ends when its load ends without running it."""
+    return (load.request, "cancelled", None) if load.is_cancelled else (load.request, "error", error)

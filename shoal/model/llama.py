@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shoal.model.attention_backend import TorchBackend
+from shoal.model.attention_backend import TorchBackend, default_backend
 from shoal.model.config import ModelConfig
 from shoal.model.layers import MLP, RMSNorm
+from shoal.model.loader import ModelSource
 from shoal.model.mla import MLAttention
 from shoal.model.moe import SparseMoE
 from shoal.model.paged_attention import warm_up as paged_warm_up
@@ -299,3 +300,34 @@ class LlamaModel(nn.Module):
         parts = name.split(".")
         return (self.cfg.family == "deepseek_v3" and name.startswith("model.layers.")
                 and int(parts[2]) >= self.cfg.num_layers)
+
+
+def build_model(source: ModelSource, shard: Shard, device: torch.device,
+                dtype: torch.dtype) -> LlamaModel:
+    """The model of `source` (its shard), its weights loaded on `device` in `dtype`; the
+    source's weights are let go."""
+    with torch.device("meta"):
+        model = LlamaModel(source.config, shard, default_backend(device))
+    model = _allocate(model.to_dtype(dtype), device)  # storage allocated once, in its dtype
+    model.tie_weights_if_needed()
+    # float32 whatever the dtype (as transformers)
+    model.inv_freq = rope_inv_freq(source.config).to(device)
+    model.load_hf_state_dict(source.weights)
+    model.eval()
+    del source.weights
+    return model
+
+
+def _allocate(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Uninitialised storage on `device` for each parameter and buffer on the meta device
+    (the weights are loaded next). As Module.to_empty, without its empty_like, whose meta
+    implementation loads about half a second of torch's Python into every process."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return model

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 from shoal.config import EngineConfig
 from shoal.connectors.base import ConnectorError
 from shoal.connectors.registry import resolve_connector
-from shoal.engine.engine import RATE_STATS
+from shoal.engine.load_split import RATES
 from shoal.model.llama import check_shardable
 from shoal.model.loader import load_model_config, load_tokenizer_only
 from shoal.parallel import messages as msg
@@ -79,7 +79,7 @@ class FleetError(RuntimeError):
 
 
 class Fleet:
-    """The engine interface (shoal.engine.engine.EngineLike) over rank processes."""
+    """The engine interface (shoal.driver.EngineLike) over rank processes."""
 
     def __init__(self, config: EngineConfig):
         from shoal.parallel.rank import rank_main
@@ -195,7 +195,7 @@ class Fleet:
             self._send(rank, msg.AskStats())
         per_rank = [m.stats for m in self._collect(msg.Stats, READY_TIMEOUT_SECONDS)]
         total = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
-        for k in RATE_STATS:  # a rate of every rank is not a sum
+        for k in RATES.values():  # a rate of every rank is not a sum
             measured = [s[k] for s in per_rank if s.get(k)]
             total[k] = sum(measured) / len(measured) if measured else 0.0
         return {**total, "per_rank": per_rank}
