@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shoal.engine.step_inputs import ALIGN, HostBuffers, StepRows
+from shoal.engine.step_inputs import HostBuffers, StepRows, aligned_starts
 from shoal.engine.table_rows import TableRows
 from shoal.util import cdiv
 from shoal.model.llama import AttentionMetadata, PagedInputs
@@ -46,8 +46,7 @@ class _Graph:
         self.size, self.decode = tokens, decode
         self.seqs = tokens if decode else 2
         self._lengths = [tokens] * self.TOKEN_VECTORS + [self.seqs] * self.SEQ_VECTORS
-        self._starts = [sum(cdiv(n, ALIGN) * ALIGN for n in self._lengths[:i])
-                        for i in range(len(self._lengths) + 1)]
+        self._starts = aligned_starts(self._lengths)
         self.buffer = torch.zeros(self._starts[-1], dtype=torch.int32, device=device)
         (self.ids, self.positions, self.slot_blocks, self.slot_offsets, starts, query_lens,
          ctxs, self.table_rows, self.samples, self.fill_rows, self.sources) = self._vectors(

@@ -26,6 +26,15 @@ from shoal.util import cdiv
 ALIGN = 16  # int32 elements: 64 bytes
 
 
+def aligned_starts(sizes) -> list[int]:
+    """Where each of vectors of these sizes starts in one int32 buffer, each on a 64-byte
+    boundary, and (last) the buffer's size."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + cdiv(n, ALIGN) * ALIGN)
+    return starts
+
+
 @dataclass(slots=True)
 class StepRows:
     """One step's host arrays (int32), rows in chunk order."""
@@ -120,10 +129,7 @@ class StepInputs:
         """Device int32 views of `arrays` (1-D or 2-D), sent in one copy. Each view starts
         on a 64-byte boundary: Triton specializes a kernel on its pointers' alignment, and a
         view at a step-dependent offset would compile new variants mid-request."""
-        starts, total = [], 0
-        for a in arrays:
-            starts.append(total)
-            total += cdiv(a.size, ALIGN) * ALIGN
+        *starts, total = aligned_starts(a.size for a in arrays)
         if total > self._host.size:
             size = max(total, 2 * self._host.size, 1 << 16)
             if self._host.cuda:  # the old buffers' last copies
