@@ -137,8 +137,7 @@ class NewRequest:
                 raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError naming the first prompt token id, or logit_bias id, outside
-        [0, vocab_size)."""
+        """ValueError naming the first prompt token id, or logit_bias id, out of [0, vocab_size)."""
         ids = self.prompt_token_ids
         if ids and not 0 <= min(ids) <= max(ids) < vocab_size:  # (a long prompt: C speed)
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
@@ -151,9 +150,8 @@ class NewRequest:
 
     def stop_ids(self, eos_token_ids, tokenizer) -> frozenset[int]:
         """The request's stop tokens (the model's `eos_token_ids` unless ignore_eos);
-        ValueError for structured output that could never run (`tokenizer` not available)
-        or end (no stop token). Checked where requests arrive, as check_vocab: an engine,
-        and a fleet's front (a rank never sees a request that cannot run)."""
+        ValueError for structured output that could never run (no `tokenizer`) or end (no
+        stop token). Checked where requests arrive (an engine, a fleet's front), as check_vocab."""
         sampling = self.sampling
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -222,7 +220,7 @@ class StepResult:
 
     new_tokens: dict[str, list[int]] = field(default_factory=dict)  # rid -> ids since the last
     finished: list[RequestOutput] = field(default_factory=list)  # done: nothing of theirs pending
-    new_logprobs: dict[str, list] = field(default_factory=dict)  # rid -> TokenLogprobs of new_tokens
+    new_logprobs: dict[str, list] = field(default_factory=dict)  # rid -> new_tokens' TokenLogprobs
 
     def __bool__(self) -> bool:
         return bool(self.new_tokens or self.finished)

@@ -166,14 +166,11 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
 
 
 class Sampler:
-    """Picks one token per row of logits, on the logits' device, in one batch. First each
-    row's own settings shape its logits (penalties, logit_bias, min_tokens: see
-    logits_processing); then greedy rows take the argmax, the others the Gumbel-max over
-    their temperature-scaled, min-p, top-k and top-p filtered logits, with noise from
-    `gumbel_noise`, so a seeded request draws the same tokens whatever batch it lands in.
-    No host sync: the tokens stay on the device (`sample_on_device`) until the caller
-    copies them. `rows` are the requests (`shoal.request.Request`: request_id, sampling,
-    stop_token_ids, prompt_token_ids), one per row, each sampled once per call."""
+    """Picks one token per row of logits, in one batch on the logits' device (no host sync).
+    Each row's own settings shape its logits (shoal.logits_processing); greedy rows take the
+    argmax, the others the Gumbel-max over their filtered logits (`gumbel_noise`: a seeded
+    request draws the same tokens in any batch). `rows` are the requests (request_id,
+    sampling, stop_token_ids, prompt_token_ids), one per row, each sampled once per call."""
 
     def __init__(self, grammars: Grammars | None = None) -> None:
         self.grammars = grammars  # None: structured output is not available (no tokenizer)

@@ -68,8 +68,7 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
     kv_cache = KVCache(layout, device)
     identity = hashlib.blake2b((cfg.to_json() + source.checksum).encode(),
                                digest_size=16).hexdigest()
-    # TP ranks share block keys (each stores its shard under a shard key); the ADP owner is
-    # never part of a key: owners share the pool
+    # no ADP owner in a key (owners share the pool); TP ranks store shards under shard keys
     topo = peers.topology
     namespace = make_namespace(identity, dtype, config.block_size, layout.layout_version,
                                tp_size=topo.num_shards)

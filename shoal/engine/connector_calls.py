@@ -1,12 +1,8 @@
-"""Calling a connector under the failure policy (SPEC 6).
-
-Every hook call goes through `ConnectorCalls`: once the connector failed it is not
-called again (each call answers a safe value instead); an exception from a hook is fatal;
-a call still running after transfer_timeout_sec is reported by the watchdog and is fatal
-too (the thread that would raise is the one stuck in the hook, so `on_stuck` is told).
-Under TP (`Agreement`) scheduler-side hooks run on the lead rank only, and every rank
-gets the answer together with the lead's failure.
-"""
+"""Calling a connector under the failure policy (SPEC 6; docs/connectors.md, "Deadlines,
+cancellation and the failure policy"). Once the connector failed no hook is called (each
+call answers a safe value); a hook that raises is fatal, and so is one the watchdog finds
+still running after transfer_timeout_sec. Under TP scheduler-side hooks run on the lead
+rank only, and every rank gets the answer together with the lead's failure."""
 
 from __future__ import annotations
 

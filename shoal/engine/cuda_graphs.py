@@ -1,17 +1,9 @@
-"""CUDA graphs for decode steps and short prefill chunks.
+"""CUDA graphs for decode steps and one request's short prefill chunks (`StepGraphs`).
 
-`StepGraphs`: a step whose chunks are all one-token decodes (the steady state) replays
-a graph captured at start-up for the smallest batch size on a ladder that holds it; a step
-of one request's short chunk (up to 512 tokens: launch-bound on a GPU) replays one
-captured for the smallest chunk length that holds it. A graph's inputs live in one device
-buffer; padded rows write their KV to a scratch block no request owns, attend to nothing
-and are never sampled. A replay's inputs are the eager forward's (`StepRows`,
-shoal.engine.step_inputs), copied into the graph's padded layout. Block tables are kept
-from step to step (`TableRows`: a request's row is written once, then only its new
-blocks); the graph gathers its rows of them as its first op. Connector layer hooks
-cannot run inside a replay: they are called for every layer before (loads waited for) and
-after it (saves enqueued), which the contract allows. One rank only (no collectives in a
-captured graph).
+A replay's inputs are the eager forward's (`StepRows`), copied into the graph's padded
+layout; padded rows write a scratch block no request owns and are never sampled. Connector
+layer hooks cannot run inside a replay: they run for every layer before and after it. One
+rank only (no collectives in a captured graph). docs/design.md, "Attention on a GPU".
 """
 
 from __future__ import annotations
@@ -30,10 +22,9 @@ PREFILL_LADDER = (16, 32, 64, 128, 256, 512)  # one request's chunk: tokens
 
 
 class _Graph:
-    """One captured step of `tokens` rows and its output logits. A decode graph: `tokens`
-    requests of one row each. A prefill graph: one request's chunk of up to `tokens` rows,
-    and the rows past it a second request with no context (they attend to nothing: zeros,
-    as a decode graph's padded rows)."""
+    """One captured step of `tokens` rows and its logits. Decode: `tokens` requests of one row
+    each. Prefill: one request's chunk of up to `tokens` rows, the rows past it a second
+    request with no context (they attend to nothing, as a decode graph's padded rows)."""
 
     # host layout: ids | positions | slot blocks | slot offsets (`tokens` each), then query
     # starts | query lens | context lens | table rows | sampled rows | placeholder rows |
@@ -70,9 +61,8 @@ class _Graph:
              staging: torch.Tensor) -> int:
         """Write a batch's arrays (`rows`; a batch this graph holds) through `pinned` (a host
         buffer of host_size) into the graph's input buffers, and the blocks its requests
-        added into `table_rows` (through `staging`, a device buffer as large). Returns the
-        number of placeholder rows (`fill_rows[:k]`, to be filled from `sources[:k]` on the
-        device)."""
+        added into `table_rows` (through `staging`, a device buffer as large). Returns k, the
+        placeholder rows (`fill_rows[:k]`, filled from `sources[:k]` on the device)."""
         t, s = self.size, self.seqs
         host = pinned.numpy()
         (ids, pos, blocks, offsets, starts, query_lens, ctxs, table, samples, fill_rows,
@@ -106,11 +96,9 @@ class _Graph:
 
 
 class StepGraphs:
-    """The runner's CUDA graphs: decode steps by batch size (BATCH_LADDER), and one
-    request's short prefill chunk by its length (PREFILL_LADDER, not for MLA, whose
-    prefill loops over requests on the host). A short chunk's forward is launch-bound
-    (64 tokens of Llama-8B over an 8k context: ~9 ms of GPU work behind ~350 launches):
-    the rest of a prompt after a pool hit, or a new turn after a prefix hit."""
+    """The runner's CUDA graphs: decode steps by batch size (BATCH_LADDER), and one request's
+    short, launch-bound prefill chunk (the rest of a prompt after a pool or prefix hit) by
+    its length (PREFILL_LADDER; not for MLA, whose prefill loops over requests on the host)."""
 
     def __init__(self, model, kv_cache, max_batch_size: int, max_num_tokens: int,
                  table_rows: TableRows):
@@ -178,9 +166,8 @@ class StepGraphs:
         return k
 
     def replay(self, g: _Graph, batch, filled: int, runner, layer_hooks=None) -> torch.Tensor:
-        """Logits [sampled rows, vocab] of `batch`, which `prepare` wrote into `g`
-        (`graph_for`; rows in chunk order), its `filled` placeholders first taken from the
-        previous step's samples (`runner.fill_placeholders`)."""
+        """Logits [sampled rows, vocab] of `batch`, which `prepare` wrote into `g` (rows in
+        chunk order), its `filled` placeholders first taken from the previous step's samples."""
         runner.fill_placeholders(g.ids, g.fill_rows[:filled], g.sources[:filled])
         num_layers = len(self.kv_cache.layers)
         if layer_hooks is not None:

@@ -2,14 +2,8 @@
 
     step = schedule -> sync with peers -> execute -> update -> report
 
-Two loops run the same step. Plain: each step executes its batch and applies the results
-before returning. Overlap: the step's batch is launched on the forward thread and the
-previous step's results are applied while it runs; tokens a step needs but the scheduler
-has not seen yet are placeholders the runner fills from the previous step. With a
-connector, `_execute` runs the worker-side hooks around the forward and polls transfers;
-a step with nothing to compute still runs them while transfers are pending (no forward
-then). Under ADP a step also runs (with padding) when a peer computes.
-"""
+The plain and overlap loops, the hooks around the forward and the steps that only poll
+transfers: docs/design.md, "A step"."""
 
 from __future__ import annotations
 
@@ -34,8 +28,7 @@ from shoal.util import freeze_what_was_built
 
 log = logging.getLogger(__name__)
 
-# the longest pause of a step that only waits for transfers (a worker that can tell when
-# they move ends it sooner; one that cannot pauses 0.5 ms): new requests wait that long
+# the longest pause of a step that only waits for transfers: new requests wait that long
 IDLE_WAIT_SECONDS = 0.002
 # the bring-up forwards that measure prefill: the longer one at most this long, the other a
 # quarter of it (on a GPU, long enough for the GPU's work to outlast the launches)
@@ -58,8 +51,7 @@ STAT_KEYS = (
 class _Executed:
     """What executing one batch produced (on the executing thread)."""
 
-    sampled: SampledTokens  # one token per sampling chunk, in chunk order (maybe still
-    # on its way from the device: the executing thread does not wait for the forward)
+    sampled: SampledTokens  # one per sampling chunk, in chunk order (maybe still on the device)
     transfers: TransferReport | None  # the connector's poll at the end of the step
     logprobs: list | None = None  # per sampled token: its TokenLogprobs or None (not asked)
     prompt_logprobs: list = field(default_factory=list)  # (rid, position, TokenLogprobs)
@@ -101,17 +93,15 @@ class Engine:
         self._num_streamed: dict[str, int] = {}  # rid -> output tokens handed out
         self._logprobs: dict[str, list] = {}  # rid -> TokenLogprobs per output token (if asked)
         self._prompt_logprobs: dict[str, dict] = {}  # rid -> {position: TokenLogprobs} (asked)
-        # stats() counters; forward_seconds: the executing thread's time in forwards (on a
-        # GPU: launching them)
+        # stats() counters; forward_seconds is the executing thread's (on a GPU: launch) time
         self._counts = {"iterations": 0, "forward_passes": 0, "forward_seconds": 0.0,
                         "prompt_tokens": 0, "generated_tokens": 0, "local_prefix_hit_tokens": 0}
         freeze_what_was_built()
 
     def _first_forwards(self) -> None:
-        """On a GPU, a prefill forward pays the first forward's one-time costs (Triton's
-        compiles, cuBLAS's set-up) here rather than in the first request; with a pool that
-        loads in part, two more measure the prefill rate a load split starts from. One rank
-        only: the forward of a rank in a group would wait for its peers."""
+        """On a GPU, a prefill forward pays the first forward's one-time costs here, not in
+        the first request; with a pool that loads in part, two more measure the prefill rate
+        a split starts from. One rank only: a rank in a group would wait for its peers."""
         measure = self.transfers is not None and self.transfers.partial_loads
         if self.peers.topology.world_size > 1 or not (measure or self.kv_cache.tensor.is_cuda):
             return
@@ -225,7 +215,6 @@ class Engine:
                 # padding rows never reach a connector: no layer hooks for a padding forward
                 hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty \
                     else None
-                # (the overlap loop: a step's sample may wait for the next step's launch)
                 sampled = runner.execute(batch, token_counts, hooks, defer=self.overlap)
                 self._counts["forward_seconds"] += time.perf_counter() - start
         finally:
@@ -250,8 +239,7 @@ class Engine:
                 if out.transfers is not None:
                     self.transfers.apply(batch.transfers, out.transfers)
                 raise
-            # an eager step's time, from when the executing thread took it up to its samples
-            # on the host: the rates a load split weighs (SPEC 3.1)
+            # an eager step's time, from when its thread took it up to its samples on the host
             if self.transfers is not None and out.started is not None:
                 self.transfers.planner.observe_step(batch, time.perf_counter() - out.started)
             outcome = None
@@ -275,9 +263,8 @@ class Engine:
         return ended
 
     def _report(self, ended: list[Request]) -> StepResult:
-        """New tokens of live requests, and the requests that are done: ended with nothing
-        of theirs pending (one whose save is in flight is held until the save is reported,
-        as a generate() returns only after its saves)."""
+        """New tokens of live requests, and the requests that are done: one whose save is in
+        flight is held until the save is reported (a generate() returns after its saves)."""
         result = StepResult()
         for rid, req in self._live.items():
             n = self._num_streamed.get(rid, 0)

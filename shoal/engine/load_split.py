@@ -6,11 +6,9 @@ and the stats that show them: docs/connectors.md, "Loads".
              computed, a chunk  the front's   the load's (never touched   first-last
              a step             next chunks   by a forward)
 
-With a prefill rate of C tokens/s and a load rate of L tokens/s, the two meet after about
-n / (C + L) seconds plus the larger of a forward's fixed cost and the load's first-block
-latency. Rates are exponentially weighted averages (the prefill rate per unit of work,
-`LoadPlanner.work`; the load rates per source: store or host memory), kept between runs.
-Under TP the lead rank's planner decides (KVTransfers shares its answers).
+Rates are exponentially weighted averages (the prefill rate per unit of work, `LoadPlanner.work`;
+the load rates per source: store or host memory), kept between runs. Under TP the lead rank's
+planner decides (KVTransfers shares its answers).
 """
 
 from __future__ import annotations
@@ -36,18 +34,14 @@ ONE_SOURCE_SHARE = 0.9
 # once: its time is all rate, no first-block latency
 ALL_AT_ONCE = 0.9
 # with no rate known for a load, the front waits for its first block at most this share of
-# the time computing the hit takes, then computes it (a first hit on a store that is fast
-# but slow to start loses its gain; one on a dead-slow store costs this much)
+# the time computing the hit takes, then computes it (a dead-slow store costs this much)
 UNKNOWN_LOAD_WAIT = 0.05
-# on a GPU, a front computes only where it and the load end at least this share sooner
-# than the load alone: beside a load a front's forward runs slower than the model says
-# (launches share the GIL with the load's threads, kernels the GPU with the copies). Not
-# on a CPU, where splits run as the model says
+# on a GPU a split must end at least this share sooner than the load alone: beside its load
+# a front runs slower than the model says (the GIL and the GPU are shared). Not on a CPU
 MIN_SPLIT_GAIN = 0.1
-# a front's forward beside its load against the model's estimate of it alone (`observe_front`),
-# and a split's load beside its front against its time alone (`observe_load`): averaged
-# from 1, at most this much slower; each hit not split takes this share of it away (else a
-# split once measured slow would never be tried, or measured, again)
+# slowdowns (a front beside its load, `observe_front`; a split's load beside its front,
+# `observe_load`): averaged from 1, at most this much; each hit not split takes this share
+# away (else a split once measured slow would never be tried, or measured, again)
 MAX_SLOWDOWN = 8.0
 SLOWDOWN_DECAY = 0.1
 # the planner's rates (attribute, also its name in a rates file) -> their stats() key
@@ -88,11 +82,10 @@ class LoadDecision:
 
 
 class LoadPlanner:
-    """`attention_weight`: what a (query, key) pair of prefill attention costs against a
+    """`attention_weight` (w): what a (query, key) pair of prefill attention costs against a
     token through the model's weights (LlamaModel.attention_weight): computing n tokens
-    after `start` others is n + w (n start + n^2 / 2) tokens' work (at the start of a
-    context, about one unit per token), so a long front costs more per token than the
-    bring-up's short forwards (the prefill rate is per unit of work)."""
+    after `start` others is n + w (n start + n^2 / 2) units of work, so a long front costs
+    more per token than the bring-up's short forwards."""
 
     def __init__(self, block_size: int, max_num_tokens: int, attention_weight: float = 0.0,
                  device: str = "cpu"):
@@ -104,8 +97,7 @@ class LoadPlanner:
         self.attention_weight = attention_weight
         self.prefill_tps = Ewma()  # work/s (`work`) of prefill forwards past their fixed cost
         self.prefill_overhead_s = 0.0  # a forward's fixed cost (weight reads)
-        # no eager forward takes less than its launches on the host (a GPU's: ~25 ms for
-        # Llama-8B, past a 1B's work on 1,300 tokens; the GPU's work runs behind them)
+        # no eager forward is shorter than its launches on the host (the GPU's work runs behind)
         self.prefill_launch_s = 0.0
         self.load_tps = Ewma()  # tokens/s of loads from the store once their first blocks landed
         self.load_latency_s = Ewma()  # seconds from a load's start to its first landed block
@@ -137,9 +129,9 @@ class LoadPlanner:
     def calibrate_prefill(self, small: tuple[int, float], large: tuple[int, float],
                           launch_s: float = 0.0) -> None:
         """Two forwards of different sizes from position 0, (tokens, seconds) each: the
-        prefill rate from their difference and a forward's fixed cost from the rest (a GPU's
-        forward of 512 tokens is mostly launches: one of them alone understates the rate
-        4x); `launch_s`: a forward's launches on the host (0 where they are its work)."""
+        prefill rate from their difference (a short GPU forward alone is mostly launches)
+        and a forward's fixed cost from the rest; `launch_s`: a forward's launches on the
+        host (0 where they are its work)."""
         (n1, t1), (n2, t2) = small, large
         if not (t2 > t1 > 0 and n2 > n1):  # a noisy pair says nothing: keep what is known
             return
@@ -151,10 +143,9 @@ class LoadPlanner:
         self.prefill_tps.value = rate
 
     def observe_step(self, batch, seconds: float) -> None:
-        """An eager step took `seconds` (a ScheduledBatch: its chunks, and the requests whose
-        loads were pending). One mostly of prefill measures the prefill rate if no load was
-        pending (a load's I/O threads slow the steps they overlap), and the fronts' slowdown
-        beside their loads if loading requests' fronts were most of it."""
+        """An eager step (a ScheduledBatch) took `seconds`. One mostly of prefill measures the
+        prefill rate if no load was pending (a load's I/O threads slow the steps they
+        overlap), and the fronts' slowdown beside their loads if fronts were most of it."""
         if batch.num_tokens == len(batch.chunks):  # decodes only (the steady state: at once)
             return
         prefill = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
@@ -190,11 +181,10 @@ class LoadPlanner:
         """A finished load: `num_tokens` landed in `seconds`, the first of them after
         `first_landed_s` (None: not seen before the load finished, as if all at once);
         `host_share` of them were expected from host memory; `split`: planned beside a front,
-        it teaches the load's slowdown beside one, not the rates, unless it was faster than
-        they say (taught as the store's rate, a slowed load makes loading whole look slower
-        than it is). A load that landed nothing (the front computed it all first) says only that
-        the source delivered less than a block in `seconds` (beside a front, g times that): its
-        rate is at most that (else no engine would learn the rate of a dead-slow store)."""
+        it teaches the load's slowdown, not the rates, unless faster than they say (taught as
+        the store's rate, a slowed load makes loading whole look slower than it is). A load
+        that landed nothing bounds its source's rate by a block in `seconds` (beside a front,
+        g times that), else no engine would learn the rate of a dead-slow store."""
         g = self.load_slowdown.factor if split else 1.0
         if num_tokens <= 0:
             rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
@@ -248,11 +238,9 @@ class LoadPlanner:
         if step.drop_to >= end:  # computing it all is faster: nothing is loaded
             return LoadDecision(end, None)
         C, rate = self.prefill_tps.value, self.expected_rate(host_share)
-        # a hit that loads ends with one more forward (the rest of the prompt after the
-        # landed blocks) than computing it, which is one prefill with the rest: the load
-        # must save more than that forward's fixed cost
-        share = max(step.drop_to * self.block_size - front, 0)  # (the first step's tokens
-        # may be fewer: a step's budget caps them)
+        # a hit that loads takes one more forward (the prompt's rest, after the landed blocks)
+        # than computing it all: the load must save more than that forward's fixed cost
+        share = max(step.drop_to * self.block_size - front, 0)  # (the first step may have fewer)
         if C is not None and rate is not None and self.work(front, remaining) / C < self._ends(
                 front, share, remaining, *rate, 0, self.load_slowdown.factor):
             return LoadDecision(end, None)
@@ -270,11 +258,9 @@ class LoadPlanner:
                    started: float | None, now: float, host_share: float = 0.0,
                    busy: float = 0.0) -> FrontStep:
         """The front at token `front` of a hit ending at block `end`; the load has landed
-        the blocks from `landed_from` on; it started at
-        `started` (None: it has not started yet); `host_share` of the hit is expected from
-        host memory; `busy`: seconds the front's forwards already launched still take (the
-        overlap loop schedules a step while the last one runs: the front's next share
-        computes after them)."""
+        the blocks from `landed_from` on; it started at `started` (None: not yet);
+        `host_share` of the hit is expected from host memory; `busy`: seconds the front's
+        forwards already launched still take (PendingLoad.front_busy)."""
         bs = self.block_size
         C = self.prefill_tps.value
         remaining = landed_from * bs - front  # tokens between the front and the landed blocks
@@ -290,8 +276,7 @@ class LoadPlanner:
             return FrontStep(0, 0)
         L, latency, g = rate
         # the front's share x: they end together, busy + f (overhead + work(front, x) / C) =
-        # g (latency + (R - x) / L) (a forward's fixed cost on one side, the load's first-
-        # block latency on the other; f, g: each side's slowdown beside the other): a2 x^2 +
+        # g (latency + (R - x) / L) (f, g: each side's slowdown beside the other): a2 x^2 +
         # a1 x + a0 = 0, its positive root in a form stable at a2 = 0 (a forward's launches
         # bound it from below: checked on the share found)
         f = self.front_slowdown.factor
@@ -313,8 +298,7 @@ class LoadPlanner:
                 or self._ends(front, share, remaining, L, latency, busy, g)
                 > (1 - self.min_gain) * self._ends(front, 0, remaining, L, latency, busy, g)):
             return FrontStep(0, 0)  # the load lands it, the front waits
-        # the share in one forward (a GPU's forward has a fixed cost worth not paying twice);
-        # the load from where the share ends
+        # the share in one forward (its fixed cost paid once); the load from where it ends
         return FrontStep(min(share, self.max_num_tokens), cdiv(front + share, bs))
 
     def expected_rate(self, host_share: float) -> tuple[float, float] | None:
@@ -341,16 +325,12 @@ class LoadPlanner:
     def _load_rate(self, num_landed: int, waited: float | None, host_share: float,
                    num_pending: int) -> tuple[float, float, float] | None:
         """(tokens/s, seconds before the first block lands, slowdown beside a front) of the
-        load from here: its own rate once it has landed something, before that the rates of
-        earlier loads (None: there were none), but no faster than all its `num_pending` tokens
-        in the time it is overdue (a store slower than the last time must not keep the front
-        waiting; a load may land all at once: that is all the silence says). The own rate
-        counts time from when a first block was due (the measured latency: right after the
-        first block lands, landed / waited would mostly measure that latency); it replaces
-        earlier loads' rate once a few blocks have landed, or sooner if it is far slower and
-        has been for long enough that the earlier rate would have landed those few blocks
-        several times over (the first blocks come while the reads ramp up: a front that takes
-        them for a slow store pays a whole forward for a load that lands a few ms later)."""
+        load from here (None: nothing known). Before it has landed something: earlier loads'
+        rates, but no faster than all its `num_pending` tokens in the time it is overdue (a
+        slower store must not keep the front waiting; a load may land all at once). Then its
+        own rate, counted from when a first block was due (else it would mostly measure the
+        latency); it replaces earlier loads' once a few blocks landed, or sooner if far slower
+        for long enough (the first blocks come while the reads ramp up)."""
         expected = self.expected_rate(host_share)
         F = expected[1] if expected is not None else self.load_latency_s.value
         if waited is not None and waited > 0 and num_landed > 0:

@@ -1,21 +1,10 @@
 """Turns a ScheduledBatch into model inputs, runs the forward and samples.
 
-Runs on the thread that executes steps (the caller's in the plain loop, a worker in the
-overlap loop). Steps execute strictly in order. `execute` only launches: it returns the
-step's sampled tokens as `SampledTokens`, whose copy to the host is queued behind the
-forward, so the executing thread can prepare and launch the next step while the device
-still runs this one. A token a step samples stays on the device for the next step: a
-chunk's trailing placeholder (overlap loop: the token the previous step samples) is filled
-there from the previous step's samples, never from the host. In the overlap loop a step
-with structured rows may leave its sample to the next `execute` (`_Deferred`).
-
-One input layout for every attention backend (shoal.model.attention_backend, chosen when
-the model is built) and every path: ids, positions, KV slots, and per request its rows,
-lengths and block-table row (`StepRows`, built in one place; `PagedInputs` on the device),
-sent in one copy or copied into a CUDA graph's inputs; the torch backend (gather + SDPA) and
-the Triton kernels read the same. With the kernels, single-token decode steps and one
-request's short chunk replay CUDA graphs unless `enforce_eager` (both:
-shoal.engine.cuda_graphs).
+Runs on the executing thread; steps execute strictly in order. `execute` only launches
+(`SampledTokens`), and a chunk's trailing placeholder is filled on the device from the
+previous step's samples, never from the host. One input layout (`StepRows`) for every
+attention backend and path, CUDA graphs included (shoal.engine.cuda_graphs). See
+docs/design.md, "A step" and "Attention on a GPU".
 """
 
 from __future__ import annotations
@@ -68,9 +57,8 @@ class LateTokens(SampledTokens):
 
 @dataclass
 class _Deferred:
-    """A step whose sample waits for the next step's inputs to be sent: structured rows'
-    masks need the last tokens on the host and the matchers' work, so the next forward's
-    host work is done first; the device runs this step's forward meanwhile."""
+    """A step whose sample waits for the next step's inputs to be sent: structured rows' masks
+    need the last tokens on the host; the next forward's host work overlaps this forward."""
 
     logits: torch.Tensor
     requests: list
@@ -120,11 +108,9 @@ class ModelRunner:
                 layer_hooks=None, eager: bool = False, defer: bool = False) -> SampledTokens:
         """Launch one step; returns one sampled token per sampling chunk, in chunk order.
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
-        `layer_hooks` (the connector's worker hooks) are called around every layer.
-        `eager`: no graph replay. `defer`: a step with structured rows may leave its sample
-        to the next call (`flush` if none comes), launched once that step's inputs are
-        sent: its grammar masks wait for the last tokens on the host, and the next
-        forward's host work then runs during that wait, not after it (`_Deferred`)."""
+        `layer_hooks`: the connector's worker hooks, called around every layer. `eager`: no
+        graph replay. `defer`: a step with structured rows may leave its sample to the next
+        call, or to `flush` if none comes (`_Deferred`)."""
         sampling = [c for c in batch.chunks if c.is_sampling]
         requests = [c.request for c in sampling]
         with torch.inference_mode():
@@ -185,9 +171,8 @@ class ModelRunner:
 
     def time_prefill(self, num_tokens: int) -> tuple[float, float]:
         """Seconds one eager prefill forward of `num_tokens` tokens takes, and of those the
-        host's launching it (on a GPU; 0 on a CPU, where the launch is the work). Run at
-        bring-up: it measures the prefill rate and pays the first forward's one-time costs.
-        Its KV goes to the scratch block only."""
+        host's launching it (0 on a CPU, where the launch is the work). Run at bring-up;
+        its KV goes to the scratch block only."""
         probe = Request("shoal-bring-up-prefill", [1] * num_tokens, SamplingParams(max_tokens=1),
                         frozenset())
         scratch = [self.kv_cache.scratch_block] * cdiv(num_tokens, self.block_size)
@@ -230,9 +215,8 @@ class ModelRunner:
 
     def take_logprobs(self) -> tuple[list[TokenLogprobs | None] | None,
                                      list[tuple[str, int, TokenLogprobs]]]:
-        """The last `execute`'s logprobs, cleared by the call: of its samples (one per
-        sampled token, None where not asked; None if no request in it asked), and of its
-        prompts ((request id, position, TokenLogprobs) each)."""
+        """The last `execute`'s logprobs, cleared by the call: of its samples (None where not
+        asked; None if none asked), and of its prompts ((request id, position, lp) each)."""
         out = self._logprobs, self._prompt_logprobs
         self._logprobs, self._prompt_logprobs = None, []
         return out
@@ -274,9 +258,8 @@ class ModelRunner:
                 0, sources.to(torch.long)).to(input_ids.dtype))
 
     def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
-        """The step's inputs, for every backend, in one copy (`StepInputs`); the block table
-        gathered from the rows kept across steps. The placeholders (rows, sources) are left
-        to `fill_placeholders`, once the previous step's sample is launched."""
+        """The step's inputs, for every backend, in one copy (`StepInputs`). The placeholders
+        (rows, sources) are left to `fill_placeholders`, once the last sample is launched."""
         r = self.rows(batch)
         (input_ids, positions, slot_blocks, slot_offsets, starts, lens, ctxs, table_rows,
          indices, values, sample_rows, fill_rows, sources) = self._inputs.send(

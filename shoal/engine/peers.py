@@ -1,16 +1,8 @@
-"""How an engine works with other ranks: its place as values, and two injected strategies.
-
-The engine core never imports `shoal.parallel`; the parallel package builds a `Peers` for
-each rank process and hands it to the engine (one rank: the defaults below).
-
-    Topology   where this engine sits: its ADP owner and its TP shard, as numbers
-    StepSync   once per step, after scheduling: what every owner computes this step
-               (ADP: every owner joins every forward; one with nothing joins with padding)
-               and whether any owner failed (then every owner raises the same error)
-    Agreement  how the connector's answers and transfer polls are agreed (TP: rank 0's
-               scheduler side answers for all; a transfer is done only where every rank's
-               worker is done)
-"""
+"""How an engine works with other ranks: its place as values (`Topology`), and two injected
+strategies: `StepSync` (once per step: what every owner computes, and whether any failed)
+and `Agreement` (TP: how the connector's answers and transfer polls are agreed). The engine
+never imports `shoal.parallel`, which builds a `Peers` for each rank process (one rank: the
+defaults below). See docs/design.md, "Layers" and "A step"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """A pool hit's load while it is pending, and once it has landed (KVTransfers keeps them).
 
-Block indices are positions in the request (block i holds tokens [i * block_size, (i + 1)
-* block_size)). A partial load (SPEC 3.1) lands its last block first while the request's
-front computes from the start: `writes_from` bounds the front (no copy of the load writes
-below it any more), `landed_from` is where the landed blocks begin.
+Block i of a request holds its tokens [i * block_size, (i + 1) * block_size). A partial
+load (SPEC 3.1; docs/connectors.md, "Loads") lands its last block first while the front
+computes from the start: `writes_from` bounds the front (no copy of the load writes below
+it any more), `landed_from` is where the landed blocks begin.
 """
 
 from __future__ import annotations
@@ -69,9 +69,7 @@ class PendingLoad:
         return max(self.front_busy_until - now, 0.0) if self.front_in_flight else 0.0
 
     def measured(self, start: int) -> tuple[int, float, float | None, float, bool]:
-        """The finished load as LoadPlanner.observe_load takes it: tokens landed (from token
-        `start`), seconds, seconds to the first landed block (None: not seen), host share,
-        whether it was planned beside a front."""
+        """The finished load as LoadPlanner.observe_load takes it (tokens from `start` on)."""
         first = None if self.first_landed is None else self.first_landed - self.started
         end = self.last_landed if self.last_landed is not None else time.monotonic()
         return (self.end_token - start, end - self.started, first, self.host_share,
@@ -80,9 +78,8 @@ class PendingLoad:
     def outcome(self, start: int, bad: int | None, block_size: int,
                 policy: str) -> tuple[int, str | None, bool]:
         """(tokens with valid KV once the front reaches `start`, error, whether a failed
-        block is recomputed). `bad`: the first block that failed (None: none). A failed
-        block and everything after it is recomputed, or with policy "fail" the request
-        ends with an error."""
+        block is recomputed). `bad`: the first failed block (None: none); it and every block
+        after it are recomputed, or with policy "fail" the request ends with an error."""
         failed = bad
         if bad is not None and bad * block_size < start:  # a block the front computed (under
             # TP, landed on one rank and dropped on another): the report names the first
@@ -116,8 +113,7 @@ class PendingLoad:
                                                   i, key, block_size)
 
     def landed_start(self, block_size: int) -> int:
-        """Tokens: where the finished load's landed blocks begin (the front computed the
-        rest)."""
+        """Tokens: where the finished load's landed blocks begin (the front computed the rest)."""
         if not self.is_partial:
             return self.num_cached
         return min(self.landed_from * block_size, self.num_cached + self.num_external)
@@ -133,8 +129,8 @@ class LandedLoad:
     request: Request
 
     def credit(self) -> int:
-        """The front has reached the landed blocks: the request's hit (and its connector
-        tokens) says what was computed and what loaded. Returns the front's tokens."""
+        """The front reached the landed blocks: the request's hit (and its connector tokens)
+        says what was computed and what loaded. Returns the front's tokens."""
         hit = self.request.pool_hit
         hit.num_front_tokens = self.start - self.num_cached
         hit.num_loaded_tokens = self.request.num_connector_tokens = self.num_ok - self.start

@@ -1,7 +1,5 @@
-"""The load planner's measured rates, kept between runs: an engine of the same model,
-device and connector starts from the last run's rates instead of measuring them anew
-(one small JSON file each, in the cache's `rates/` folder; the newest MAX_RATE_FILES are
-kept)."""
+"""The load planner's measured rates, kept between runs of the same model, device and
+connector (a small JSON file each under `$SHOAL_CACHE/rates/`; the newest MAX_RATE_FILES)."""
 
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ def save_rates(planner: LoadPlanner, path: Path) -> None:
 
 
 def restore_rates(planner: LoadPlanner, path: Path) -> None:
-    """Start the planner from the rates a previous engine saved (none, or unreadable:
-    measure anew)."""
+    """Start the planner from a previous engine's rates (none, or unreadable: measure anew)."""
     try:
         rates = json.loads(path.read_text())
     except (OSError, ValueError):

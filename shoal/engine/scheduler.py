@@ -44,8 +44,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Which requests compute what in each step. Transfers (loads that admitted requests
-    wait for, saves that hold finished requests' blocks) are `transfers`' business: the
+    """Which requests compute what in each step. Transfers are `transfers`' business: the
     scheduler asks it at admission, when building a step, and when a request ends."""
 
     def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int,
@@ -55,8 +54,7 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
-        # A request may grow only as far as the cache holds it alone: past that it could
-        # never run, so it stops with "length" like at the end of the context.
+        # past what the cache holds alone a request could never run: it stops there ("length")
         self.max_request_len = min(max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -148,12 +146,10 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: list[int], defer_free: bool,
                outcome: TransferOutcome | None = None) -> list[Request]:
-        """Apply a finished step: register computed blocks, append samples, finish requests,
-        then the transfers' outcome. Returns the requests that ended.
-
-        `sampled` holds one token per sampling chunk, in chunk order. With defer_free the
-        blocks of requests finishing now are released at the next update (a step already in
-        flight may still write them)."""
+        """Apply a finished step: register computed blocks, append samples (`sampled`: one
+        per sampling chunk, in chunk order), finish requests, then the transfers' outcome.
+        Returns the requests that ended. With defer_free the blocks of requests finishing
+        now are released at the next update (a step already in flight may still write them)."""
         self.release_deferred()
         finished = []
         tokens = iter(sampled)
@@ -200,10 +196,9 @@ class Scheduler:
         self._release(req, defer_free)
 
     def cancel(self, req: Request, defer_free: bool) -> bool:
-        """End `req` as "cancelled"; True if it ended now (possibly SAVING: a pending save
-        keeps its blocks pinned until it drains). A request whose load is pending computes
-        no more, keeps its blocks and ends when the load drains. Either way the transfer
-        gets at most the grace from now."""
+        """End `req` as "cancelled"; True if it ended now (possibly SAVING: its blocks stay
+        pinned until the save drains). One whose load is pending computes no more, keeps its
+        blocks and ends when the load drains. A transfer gets at most the grace from now."""
         transfers = self.transfers
         if req.is_finished or (transfers is not None and transfers.is_cancelling(req.request_id)):
             return False
@@ -219,9 +214,8 @@ class Scheduler:
         return ends_now
 
     def _apply(self, outcome: TransferOutcome, defer_free: bool) -> list[Request]:
-        """Requests whose transfer ended them end; finished saves release their blocks.
-        Returns the requests that ended. (A finished load is taken up by the request's
-        front: `_num_schedulable`.)"""
+        """Requests whose transfer ended them end (returned); finished saves release their
+        blocks. A finished load is taken up by the request's front (`_num_schedulable`)."""
         for req, reason, error in outcome.ended:
             self.finish(req, reason, error, defer_free)
         for req in outcome.released:  # ended (and returned) before; its save is done

@@ -1,15 +1,9 @@
 """A step's inputs: its host arrays, built in one place for every path, and their copy.
 
-`StepRows.of(chunks, ...)` builds the integer arrays a forward reads (token ids,
-positions, KV slots, and per chunk its rows, lengths and block-table row) from a batch's
-chunks, with numpy over the whole batch: a chunk costs a few attribute reads. The eager forward sends them with `StepInputs`;
-a CUDA graph copies them into its own padded layout (shoal.engine.cuda_graphs). Either
-way the block table comes from the rows kept across steps (`TableRows`).
-
-`StepInputs`: the arrays are written into one pinned host buffer and sent with one
-non-blocking copy; the model reads device views of it. Steps are launched before the
-previous one finished, so the host buffers alternate (`HostBuffers`): one is rewritten
-only once its last copy ran.
+`StepRows.of` builds them with numpy over the whole batch. The eager forward sends them in
+one non-blocking copy from a pinned buffer (`StepInputs`; the buffers alternate, as a step
+launches before the last one finished: `HostBuffers`); a CUDA graph copies them into its
+padded layout. See docs/design.md, "Attention on a GPU".
 """
 
 from __future__ import annotations
@@ -57,9 +51,8 @@ class StepRows:
     def of(cls, chunks, block_size: int, prev_rows: dict[str, int],
            table: TableRows) -> StepRows:
         """The arrays of `chunks` (ScheduledChunk). `prev_rows`: each request's row in the
-        previous step's samples (a placeholder is its request's last sample: the overlap
-        loop's). Places the chunks' rows in `table` (`TableRows.place`: the caller writes
-        table_indices / table_values to it before the forward reads it)."""
+        previous step's samples (a placeholder is its request's last sample). Places the
+        chunks' rows in `table`: the caller writes table_indices / table_values to it first."""
         n, i32 = len(chunks), np.int32
         first = np.fromiter((c.start for c in chunks), i32, n)
         lens = np.fromiter((c.num_tokens for c in chunks), i32, n)

@@ -1,12 +1,9 @@
 """Block-table rows kept from step to step (the persistent part of the batch layout).
 
-A request keeps one row of a device table while it runs. A step writes only the block ids
-its requests added since the last (a decode adds one every block_size tokens), and a whole
-row when a request joins or its block list was replaced (a preemption or a release gives
-a request a new list; a list is only ever appended to while held: ScheduledChunk). The
-step's table [requests, columns] is then one device gather of its rows (the runner's, or
-a CUDA graph's first op), so a step's host work no longer grows with its requests'
-context lengths.
+A running request keeps one row of a device table, written whole when it joins or its
+block list was replaced (a list is only ever appended to while held: ScheduledChunk), then
+only where it gained a block. A step's table is one device gather of its rows (the
+runner's, or a CUDA graph's first op): docs/design.md, "Attention on a GPU".
 
     rows    | r0: a's blocks | r1: (free) | r2: b's blocks | ...     `table`, on the device
     step    a at row 0, b at row 2  ->  the step's table = table[[0, 2]]

@@ -1,11 +1,7 @@
-"""The worker side of transfers, on the thread that runs the forward.
-
-Around each step's forward: the plan is bound and loads start; after it, saves are
-enqueued and the transfers pending when the step was launched are polled. A transfer is
-done only where every rank's worker is done, failed from the first block any rank failed,
-and expired where any rank's deadline passed (`Agreement.agree_min`; one rank: its own
-word). An expired transfer is aborted if the worker supports abort, else fatal.
-"""
+"""The worker side of transfers, on the thread that runs the forward: before it the plan is
+bound and loads start; after it saves are enqueued and the transfers pending at the step's
+launch are polled, agreed over the ranks (`TransferPoller._poll`). An expired transfer is
+aborted if the worker supports abort, else fatal."""
 
 from __future__ import annotations
 

@@ -1,23 +1,15 @@
-"""KVTransfers: the engine's one owner of KV transfers (and, through ConnectorCalls, the
-only caller of a connector).
-
-Everything about a transfer lives here: requests waiting for a load or holding their
-blocks for a save (SAVING), save episodes, pinned blocks, deadlines, aborts, cancels that
-wait for a load, the failure policy. The scheduler asks (`match`, `admit`, `brings_in`,
-`plan`, `apply`, `on_preempt`, `on_finish`, `defer_cancel`); each step carries one
-`TransferPlan`. The hooks' order in a step: docs/connectors.md.
+"""KVTransfers: the engine's one owner of KV transfers (loads, SAVING requests, save
+episodes, pins, deadlines, aborts, cancels that wait for a load) and, through
+ConnectorCalls, the only caller of a connector. The scheduler asks (`match`, `admit`,
+`brings_in`, `plan`, `apply`, `on_preempt`, `on_finish`, `defer_cancel`); each step
+carries one `TransferPlan`. Under TP, answers and polls are agreed over the ranks.
 
 When are blocks freed? A loading request keeps them until its load is reported; a
 finished request whose save is pending, until the save is reported (SAVING); a preempted
 request's are pinned until its save episode ends (saves enqueued may still read them).
-Under TP, answers and polls are agreed over the ranks (`Agreement`).
-
-Failure policy (SPEC 6): a contract violation is fatal, as are a hook that raises or
-blocks (shoal.engine.connector_calls) and a transfer past its deadline
-(shoal.engine.deadlines) where the worker cannot abort (shoal.engine.transfer_poll):
-`failure` is recorded, the connector is asked nothing more, every block stays held, and
-the engine stops with that message (a fleet votes it to every rank). An abort-capable
-worker's expired transfer is aborted and becomes its request's error.
+After a fatal failure (`failure`) the connector is asked nothing more and every block
+stays held. Hook order and failure policy (SPEC 6): docs/connectors.md, "The contract"
+and "Deadlines, cancellation and the failure policy".
 """
 
 from __future__ import annotations
@@ -145,7 +137,7 @@ class KVTransfers:
     def brings_in(self, req: Request, num_cached: int) -> bool:
         """Another request's hit in flight (loading, or landed and its front not there yet)
         brings in the block after `req`'s local prefix hit: `req` waits and hits it locally
-        (32 requests on 4 documents in the pool, arriving together, loaded each one 8x)."""
+        (requests on one pooled document load it once: docs/design.md, "Scheduling")."""
         i = num_cached // self.ctx.block_size  # (never the last token's block: no hit has it)
         return i < min(len(req.block_keys), (req.num_tokens - 1) // self.ctx.block_size) and any(
             hit.brings_in(i, req.block_keys[i], self.ctx.block_size)

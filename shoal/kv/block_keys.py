@@ -5,11 +5,10 @@
     key_0     = H(seed    || tokens of block 0)
     key_i     = H(key_i-1 || tokens of block i)
 
-A key names a block's KV exactly: same key, same bytes. Under TP every rank computes the
-same keys (the scheduler side on rank 0 speaks for all); each rank holds one shard of a
-block's KV, stored under `shard_key(key, rank, size)` with `shard_namespace(...)`, so pool
-keys include the shard. Keys never include the ADP rank, so one owner's block is a hit for
-every other owner. hashlib only (Python's `hash()` is salted per process).
+Same key, same bytes. Every TP rank computes the same keys and stores its shard under
+`shard_key` (pool keys include the shard); keys never include the ADP rank (owners share
+the pool). hashlib only: Python's `hash()` is salted per process. docs/design.md, "Blocks
+and prefix reuse"; docs/connectors.md, "Under tensor parallelism".
 """
 
 from __future__ import annotations

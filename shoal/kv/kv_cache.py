@@ -1,10 +1,8 @@
-"""The paged KV cache: one tensor per engine, block-major.
+"""The paged KV cache: one tensor per engine, block-major (docs/design.md, "KV cache").
 
-Layout `[num_blocks, num_layers, parts, block_size, num_kv_heads, head_dim]`: all
-layers' K and V of one block are one contiguous run of `block_nbytes` bytes, so the
-pool moves a block with one large copy instead of 2 * num_layers small ones. Two parts
-(K, V) per layer, or one for latent attention (MLA: one head of latent + rotary key).
-"""
+Layout `[num_blocks, num_layers, parts, block_size, num_kv_heads, head_dim]`: one block's
+K and V of every layer are one contiguous run, moved to or from a pool in one copy. Parts:
+K and V, or one for latent attention (MLA: one head of latent + rotary key)."""
 
 from __future__ import annotations
 
@@ -51,7 +49,6 @@ class KVCache:
                               device=device)
         self.tensor = storage[:layout.num_blocks]  # what the block pool and connectors see
         self.scratch_block = layout.num_blocks
-        # layer i -> (k, v), each a [num_blocks + 1, block_size, num_kv_heads, head_dim] view
-        # (MLA: (latent, None))
+        # layer i -> (k, v) views [num_blocks + 1, block_size, heads, head_dim]; MLA: (latent, None)
         self.layers = [(storage[:, i, 0], storage[:, i, 1] if layout.parts == 2 else None)
                        for i in range(layout.num_layers)]
