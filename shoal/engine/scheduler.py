@@ -122,7 +122,8 @@ class Scheduler:
                     and transfers.brings_in(req, num_cached)):
                 behind.append(self.waiting.popleft())  # (its place in the queue kept)
                 continue
-            num_external = transfers.match(req, num_cached) if transfers and not computes_all else 0
+            num_external, num_host = (transfers.match(req, num_cached)
+                                      if transfers and not computes_all else (0, 0))
             num_new = min(req.num_tokens - num_cached, budget)
             # the blocks of a pool hit are allocated with it (its loads' destinations)
             if not self.kv.allocate(req, max(num_new, num_external), hits):
@@ -134,7 +135,7 @@ class Scheduler:
                 req.metrics.scheduled_time = time.perf_counter()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if transfers and transfers.admit(req, num_cached, num_external):
+            if transfers and transfers.admit(req, num_cached, num_external, num_host):
                 # a load is pending: the front computes what the load leaves it (SPEC 3.1)
                 num_new = transfers.front_tokens(req, budget)
             if num_new > 0:

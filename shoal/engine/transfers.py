@@ -57,7 +57,6 @@ class KVTransfers:
         self._pins: dict[str, list[int]] = {}  # rid -> blocks pinned for its pending saves
         self._num_reported_blocks: dict[str, int] = {}  # rid -> block ids the connector knows
         self._new_loads: list[Request] = []  # admitted for a load since the last plan
-        self._host_tokens: dict[str, int] = {}  # rid -> of its last match, tokens in host memory
         self.deadlines = Deadlines(config.transfer_timeout_sec, config.control_grace_sec)
         self.num_moves = 0  # transfers ended or advanced by applied reports (the idle wait)
         self._counts = dict.fromkeys(("connector_tokens_loaded", "load_failures_recomputed",
@@ -75,8 +74,9 @@ class KVTransfers:
         """Some request's front is bounded by a load (pending, or landed and not reached)."""
         return bool(self._loads or self._landed)
 
-    def match(self, req: Request, num_computed: int) -> int:
-        """Pool tokens beyond the local prefix hit, validated against the contract."""
+    def match(self, req: Request, num_computed: int) -> tuple[int, int]:
+        """Pool tokens beyond the local prefix hit, validated against the contract, and of
+        them those the worker holds in host memory."""
         def ask(s):  # one question (under TP one collective): the match and its host part
             view = request_view(req, self.ctx)
             num, is_async = s.get_num_new_matched_tokens(view, num_computed)
@@ -84,19 +84,18 @@ class KVTransfers:
 
         num, is_async, num_host = self.calls.ask("get_num_new_matched_tokens", ask, (0, False, 0),
                                                  req.request_id)
-        self._host_tokens[req.request_id] = num_host
         limit = req.num_prompt_tokens - 1 - num_computed
         if num == 0 and is_async:
             self.calls.fail("get_num_new_matched_tokens answered (0, True): an async load "
                             "of nothing", req.request_id)
         elif not 0 <= num <= max(limit, 0):
-            self.calls.fail(f"get_num_new_matched_tokens offered {num} tokens; at most {limit} are "
-                      "allowed (never the last prompt token)", req.request_id)
+            self.calls.fail(f"get_num_new_matched_tokens offered {num} tokens; at most {limit} "
+                            "are allowed (never the last prompt token)", req.request_id)
         else:
-            return num
-        return 0
+            return num, min(num_host, num)
+        return 0, 0
 
-    def admit(self, req: Request, num_cached: int, num_external: int) -> bool:
+    def admit(self, req: Request, num_cached: int, num_external: int, num_host: int = 0) -> bool:
         """Blocks were allocated for `req` (up to the end of its hit at least). True: a load
         of (part of) the hit is pending; the request's front computes only what
         `front_tokens` allows until the load has landed and the front reached it."""
@@ -105,7 +104,6 @@ class KVTransfers:
                   lambda s: s.update_state_after_alloc(request_view(req, self.ctx), block_ids), None,
                   req.request_id)
         req.pool_hit = None
-        num_host = min(self._host_tokens.pop(req.request_id, 0), num_external)
         if not num_external:
             return False
         bs = self.ctx.block_size
@@ -286,7 +284,6 @@ class KVTransfers:
         """A request ends (request_finished, if the connector saw it). True: a save still
         reads its blocks; they stay held here (SAVING) until the save is reported."""
         self._landed.pop(req.request_id, None)
-        self._host_tokens.pop(req.request_id, None)
         seen = self._num_reported_blocks.pop(req.request_id, None) is not None
         if not seen and req.request_id not in self._pins:
             return False
