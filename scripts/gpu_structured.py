@@ -8,7 +8,7 @@ shape whose vocabulary is the tokenizer's (SmolLM2's 49,152 entries, from TOKDIR
 with scripts/device_prep.sh), copies the tokenizer files in, and runs the bench on it with
 both grammars (PROMPTS requests, 128 tokens each, 3 alternating rounds). The vocabulary is
 the only field changed: the layers are the shape's own, the output head is smaller.
-Env: GRAMMARS=regex,json (which), DEFER=0 (no step leaves its sample to the next).
+Env: GRAMMARS=regex,json (which).
 """
 import os
 import shutil
@@ -19,10 +19,6 @@ from pathlib import Path
 from shoal.bench.structured import run_structured
 from tokenized_ckpt import build
 
-if os.environ.get("DEFER") == "0":  # each step samples in its own execute (before deferral)
-    from shoal.engine.model_runner import ModelRunner
-    _execute = ModelRunner.execute
-    ModelRunner.execute = lambda self, *a, defer=False, **k: _execute(self, *a, **k)
 grammars = os.environ.get("GRAMMARS", "regex,json").split(",")
 tok_dir = Path(sys.argv[1])
 for spec in sys.argv[2:]:

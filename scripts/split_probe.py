@@ -64,8 +64,8 @@ def trace(cls, name, show):
 trace(LoadPlanner, "admit", lambda p, a, out: f"blocks {a[:2]} -> load_from {out.load_from} "
       f"first {out.first} (C {p.prefill_tps.value:.0f}, L {p.load_tps.value}, F "
       f"{p.load_latency_s.value}, overhead {p.prefill_overhead_s:.4f}, launch {p.prefill_launch_s:.4f})")
-trace(LoadPlanner, "front_step", lambda p, a, out: f"front {a[0]} writes_from {a[1]} "
-      f"landed_from {a[2]} end {a[3]} -> {out}")
+trace(LoadPlanner, "front_step", lambda p, a, out: f"front {a[0]} landed_from {a[1]} "
+      f"end {a[2]} -> {out}")
 trace(StoreWorker, "get_load_progress", lambda w, a, out: f"{ {k: v for k, v in out.items()} }")
 trace(StoreScheduler, "get_num_new_matched_tokens", lambda s, a, out: f"lookup -> {out}")
 trace(StoreWorker, "start_load_kv", lambda w, a, out: f"{len(m.loads)} blocks"

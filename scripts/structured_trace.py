@@ -6,8 +6,7 @@ MODEL_DIR needs a tokenizer (scripts/tokenized_ckpt.py). Runs the same prompts f
 under a regex, records every call of the functions below as (thread, name, start, end), and
 prints (1) each name's mean time a step per thread, (2) four steady-state steps as a
 timeline in ms, (3) the device's busy share over ten steps (torch.profiler). Env knobs:
-SWITCH=<seconds> (Python's GIL switch interval), DEFER=0 (no step leaves its
-sample to the next).
+SWITCH=<seconds> (Python's GIL switch interval).
 """
 import collections, functools, os, sys, threading, time
 
@@ -46,9 +45,6 @@ for cls, names in [(Engine, ["step", "_update", "_report"]), (ModelRunner, ["exe
                    (HostCopy, ["tolist"])]:
     for n in names:
         wrap(cls, n)
-if os.environ.get("DEFER") == "0":  # the sample in its own step (before deferral)
-    _execute = ModelRunner.execute
-    ModelRunner.execute = lambda self, *a, defer=False, **k: _execute(self, *a, **k)
 if "SWITCH" in os.environ:
     sys.setswitchinterval(float(os.environ["SWITCH"]))
 

@@ -81,10 +81,10 @@ class EngineLike(Protocol):
 
 def collect_what_was_shut_down() -> None:
     """After an engine shut down and was let go, when a reference cycle still holds it: its
-    objects were frozen with the rest at its bring-up, out of the cyclic collector's reach,
-    so the cycle would keep its weights and KV memory for the life of the process (on a
-    GPU, each engine a process builds after another would add its own until one no longer
-    fits). Collect once with everything thawed (~0.2-0.5 s); freeze the survivors (other
+    objects were frozen with the rest at its bring-up (shoal.util.freeze_what_was_built),
+    out of the cyclic collector's reach, so the cycle would keep its weights and KV memory
+    for the life of the process (on a GPU, each engine a process builds after another would
+    add its own until one no longer fits). Collect once with everything thawed (~0.2-0.5 s); freeze the survivors (other
     engines, the libraries) again. An engine no cycle holds is freed when let go."""
     gc.unfreeze()
     gc.collect()

@@ -186,8 +186,8 @@ def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
             self.max_size = max_batch_size
             self._build_inputs(torch.device("cpu"), max_num_tokens, not model.cfg.is_mla)
 
-        def replay(self, g, batch, filled, runner, layer_hooks=None):
-            runner.fill_placeholders(g.ids, g.fill_rows[:filled], g.sources[:filled])
+        def replay(self, g, batch, runner, layer_hooks=None):
+            self.prepare(g, batch, runner)
             self.num_replays += 1
             self.num_prefill_replays += not g.decode
             return self._forward(g)[:sum(c.is_sampling for c in batch.chunks)]

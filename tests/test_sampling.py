@@ -9,7 +9,8 @@ import pytest
 
 from shoal.request import Request
 from shoal.logits_processing import top_k_top_p_filter
-from shoal.sampling import SamplingParams, Sampler, gumbel_noise
+from shoal.logits_processing import gumbel_noise
+from shoal.sampling import SamplingParams, Sampler
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 3.0])
 

@@ -72,10 +72,8 @@ def test_free_requests_beside_constrained_ones_are_unchanged(smollm2):
 
 
 def test_the_overlap_loop_gives_the_same_constrained_tokens(smollm2_path, smollm2):
-    """In the overlap loop a step with constrained rows leaves its sample to the next step,
-    which launches it once its own inputs are sent (ModelRunner.execute's `defer`): the
-    same tokens as the plain loop's, rows leaving at different steps, free rows beside them.
-    A step with a row that asked for logprobs samples at once (they read its tokens)."""
+    """The overlap loop's constrained tokens are the plain loop's: rows leaving at different
+    steps, free rows beside them, and a row that asks for logprobs."""
     sps = [SamplingParams(max_tokens=60, structured_output=StructuredOutput(json_schema=PERSON)),
            SamplingParams(max_tokens=60, temperature=0.8, seed=5,
                           structured_output=StructuredOutput(regex="[A-Z][a-z]+( [a-z]+)*\\.")),
@@ -84,23 +82,9 @@ def test_the_overlap_loop_gives_the_same_constrained_tokens(smollm2_path, smollm
     with_logprobs = [sps[0], SamplingParams(max_tokens=12, logprobs=2)]
     plain = [[o.token_ids for o in smollm2.chat([ASK] * len(s), s)] for s in (sps, with_logprobs)]
     with LLM(smollm2_path, num_kv_blocks=256, overlap_scheduler=True) as overlapped:
-        runner = overlapped.engine.runner
-        deferred, execute = [], runner.execute
-        runner.execute = lambda *a, **k: (out := execute(*a, **k), deferred.append(
-            runner._deferred is not None))[0]
-        try:
-            assert [o.token_ids for o in overlapped.chat([ASK] * 4, sps)] == plain[0]
-            # a step a token of the longest row (and one past it if a stop token ended it)
-            assert all(deferred) and len(deferred) - max(map(len, plain[0])) in (0, 1)
-            deferred.clear()
-            outs = overlapped.chat([ASK] * 2, with_logprobs)
-        finally:
-            del runner.execute
-        assert [o.token_ids for o in outs] == plain[1] and len(outs[1].logprobs) == 12
-        # a step a token of the longer row; at once in the 12 steps of the logprobs row
-        # (the identical prompt's prefill may wait a step for the first one's blocks)
-        assert re.fullmatch("T*F{12}T+", "".join("TF"[not d] for d in deferred)) and \
-            len(deferred) in (len(plain[1][0]), len(plain[1][0]) + 1)
+        assert [o.token_ids for o in overlapped.chat([ASK] * 4, sps)] == plain[0]
+        outs = overlapped.chat([ASK] * 2, with_logprobs)
+    assert [o.token_ids for o in outs] == plain[1] and len(outs[1].logprobs) == 12
 
 
 def test_masks_filled_in_the_sample_give_the_same_tokens(smollm2):
@@ -191,65 +175,6 @@ def test_masking_keeps_exactly_the_allowed_tokens(kernel):
     mask_logits_(got, rows.to(device), bitmask.to(device), stops.to(device), kernel=kernel)
     assert torch.equal(got.cpu(), want)
     assert (got.cpu()[5] != float("-inf")).sum() == allowed[0].sum()  # a live row stays live
-
-
-class _Stop(BaseException):
-    """Not an Exception (as KeyboardInterrupt): still reaches the caller."""
-
-
-@pytest.mark.parametrize("at_call, error", [(3, ValueError), (7, ValueError), (3, _Stop)])
-def test_a_deferred_sample_that_fails_fails_its_call_as_one_at_once_does(smollm2_path,
-                                                                        at_call, error):
-    """The sample a step deferred raises when the next step (or the flush of the last one)
-    launches it: the caller gets that error, as from a sample that fails in its own step
-    (never a hang), and the LLM then shuts down cleanly. 3: while both requests run; 7:
-    the last step's, launched by the flush alone. A BaseException too."""
-    sps = [SamplingParams(max_tokens=7, structured_output=StructuredOutput(regex="[a-z ]+")),
-           SamplingParams(max_tokens=4)]
-    outcome = []
-    llm = LLM(smollm2_path, num_kv_blocks=256, overlap_scheduler=True)
-    runner = llm.engine.runner
-    calls, sample = [], runner.sampler.sample_on_device
-
-    def failing(logits, rows):
-        calls.append(len(rows))
-        if len(calls) == at_call:
-            raise error("a sample that fails")
-        return sample(logits, rows)
-    runner.sampler.sample_on_device = failing
-
-    def run():
-        try:
-            llm.chat([ASK, ASK], sps)
-        except BaseException as e:  # (the engine's error, as the caller sees it)
-            outcome.append(e)
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(timeout=120)
-    if worker.is_alive():  # (no shutdown: it would wait for the hung call)
-        pytest.fail("the caller hangs on a failed deferred sample")
-    llm.shutdown()
-    assert len(outcome) == 1 and type(outcome[0]) is error, outcome
-    assert calls[at_call - 1] == (2 if at_call == 3 else 1)  # (both rows, the last alone)
-
-
-def test_a_deferred_sample_s_waiter_is_released_on_a_broken_device(smollm2, monkeypatch):
-    """Where nothing can be made on the device any more (the zeros that stand in for the
-    failed samples included), the flush raises that, and the step's waiter still gets the
-    sample's own error."""
-    from shoal.engine.model_runner import _Deferred
-
-    def failing(logits, rows):
-        raise ValueError("a sample that fails")
-    runner = smollm2.engine.runner
-    monkeypatch.setattr(runner.sampler, "sample_on_device", failing)
-    monkeypatch.setattr(runner, "device", torch.device("cuda", 99))  # (no such device)
-    deferred = runner._deferred = _Deferred(torch.zeros(1, 8), [object()])
-    with pytest.raises(Exception) as raised:
-        runner.flush()
-    assert not isinstance(raised.value, ValueError) and runner._deferred is None
-    with pytest.raises(ValueError, match="a sample that fails"):
-        deferred.sampled.tolist()
 
 
 def test_a_request_is_forgotten_without_waiting_for_the_masks_being_filled(smollm2):

@@ -80,7 +80,7 @@ class ConnectorCalls:
         """A worker-side hook (on the thread that runs the forward)."""
         return self._guarded(f"worker {hook}", lambda: call(self.worker), safe)
 
-    # the per-layer worker hooks, as the forward calls them (shoal.model.llama)
+    # the per-layer worker hooks, as the forward calls them (exceptions are fatal, as in `work`)
     def wait_for_layer_load(self, layer_idx: int) -> None:
         self.work("wait_for_layer_load", lambda w: w.wait_for_layer_load(layer_idx))
 

@@ -158,17 +158,11 @@ class StepGraphs:
                                                if t >= chunks[0].num_tokens)]
         return None
 
-    def prepare(self, g: _Graph, batch, runner) -> int:
-        """`batch` written into its graph's inputs (copies queued); returns the number of
-        its placeholders, filled by `replay`."""
-        k = g.fill(runner.rows(batch), self.host.take(), self.table_rows, self.staging)
-        self.host.sent()
-        return k
-
-    def replay(self, g: _Graph, batch, filled: int, runner, layer_hooks=None) -> torch.Tensor:
-        """Logits [sampled rows, vocab] of `batch`, which `prepare` wrote into `g` (rows in
-        chunk order), its `filled` placeholders first taken from the previous step's samples."""
-        runner.fill_placeholders(g.ids, g.fill_rows[:filled], g.sources[:filled])
+    def replay(self, g: _Graph, batch, runner, layer_hooks=None) -> torch.Tensor:
+        """Logits [sampled rows, vocab] of `batch` from its graph `g` (`graph_for`; rows in
+        chunk order); `runner` (the ModelRunner) finds and fills the rows whose token the
+        previous step sampled."""
+        self.prepare(g, batch, runner)
         num_layers = len(self.kv_cache.layers)
         if layer_hooks is not None:
             for i in range(num_layers):
@@ -180,3 +174,9 @@ class StepGraphs:
             for i in range(num_layers):
                 layer_hooks.save_kv_layer(i)
         return g.logits[:sum(c.is_sampling for c in batch.chunks)]
+
+    def prepare(self, g: _Graph, batch, runner) -> None:
+        """`batch` written into its graph's inputs, its placeholders filled."""
+        k = g.fill(runner.rows(batch), self.host.take(), self.table_rows, self.staging)
+        self.host.sent()
+        runner.fill_placeholders(g.ids, g.fill_rows[:k], g.sources[:k])

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shoal.config import EngineConfig
-from shoal.engine.build import EngineInfo, build_engine_parts
-from shoal.engine.model_runner import NO_TOKENS, LateTokens, ModelRunner, SampledTokens
+from shoal.engine.build import build_engine_parts
+from shoal.engine.model_runner import NO_TOKENS, ModelRunner, SampledTokens
 from shoal.engine.peers import Peers, StepVote
 from shoal.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.engine.connector_calls import keep_alive
@@ -203,26 +203,22 @@ class Engine:
                  forget_ids: list[str]) -> _Executed:
         """One step's work on the executing thread: transfer hooks around the forward."""
         started = time.perf_counter()
-        runner, transfers, sampled = self.runner, self.transfers, NO_TOKENS
-        try:
-            for request_id in forget_ids:
-                runner.forget(request_id)
-            if transfers is not None:  # this owner's own plan (empty in a padding step)
-                transfers.poller.begin_step(batch.transfers)
-            if not batch.is_empty or any(token_counts):
-                self._counts["forward_passes"] += 1
-                start = time.perf_counter()
-                # padding rows never reach a connector: no layer hooks for a padding forward
-                hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty \
-                    else None
-                sampled = runner.execute(batch, token_counts, hooks, defer=self.overlap)
-                self._counts["forward_seconds"] += time.perf_counter() - start
-        finally:
-            if sampled is NO_TOKENS:  # the last step's sample is never left waiting
-                runner.flush()
+        for request_id in forget_ids:
+            self.runner.forget(request_id)
+        transfers = self.transfers
+        if transfers is not None:  # this owner's own plan (empty in a padding step)
+            transfers.poller.begin_step(batch.transfers)
+        sampled = NO_TOKENS
+        if not batch.is_empty or any(token_counts):
+            self._counts["forward_passes"] += 1
+            start = time.perf_counter()
+            # padding rows never reach a connector: no layer hooks for a padding forward
+            hooks = transfers.layer_hooks if transfers is not None and not batch.is_empty else None
+            sampled = self.runner.execute(batch, token_counts, hooks)
+            self._counts["forward_seconds"] += time.perf_counter() - start
         report = transfers.poller.end_step(batch.transfers) if transfers is not None else None
-        return _Executed(sampled, report, *runner.take_logprobs(),
-                         None if runner.replayed or isinstance(sampled, LateTokens) else started)
+        return _Executed(sampled, report, *self.runner.take_logprobs(),
+                         None if self.runner.replayed else started)
 
     def _update(self, keep: int) -> list[Request]:
         """Apply executed steps, oldest first, until `keep` remain in flight. Returns the
@@ -231,14 +227,7 @@ class Engine:
         while len(self._inflight) > keep:
             batch, future = self._inflight.popleft()
             out = future.result()
-            if isinstance(out.sampled, LateTokens) and not self._inflight:
-                self._forward.submit(self.runner.flush)  # no later step launches its sample
-            try:
-                sampled = out.sampled.tolist()  # waits for the device
-            except BaseException:  # (a deferred sample failed: its step's reports still count)
-                if out.transfers is not None:
-                    self.transfers.apply(batch.transfers, out.transfers)
-                raise
+            sampled = out.sampled.tolist()  # waits for the device
             # an eager step's time, from when its thread took it up to its samples on the host
             if self.transfers is not None and out.started is not None:
                 self.transfers.planner.observe_step(batch, time.perf_counter() - out.started)

@@ -112,14 +112,14 @@ class LoadPlanner:
         """The work of computing positions [start, start + num_tokens) of a request."""
         return num_tokens + self.attention_weight * num_tokens * (start + num_tokens / 2)
 
-    def compute_seconds(self, start: int, num_tokens: int, slowed: bool = True) -> float:
+    def compute_seconds(self, start: int, num_tokens: int) -> float:
         """The expected time of a front's forward computing positions [start, start +
-        num_tokens), beside its load unless not `slowed` (0 while the prefill rate is unknown)."""
+        num_tokens) beside its load (0 while the prefill rate is unknown)."""
         C = self.prefill_tps.value
         if not C:
             return 0.0
         alone = max(self.prefill_launch_s, self.prefill_overhead_s + self.work(start, num_tokens) / C)
-        return alone * self.front_slowdown.factor if slowed else alone
+        return alone * self.front_slowdown.factor
 
     def _learn_slowdown(self, ratio: Ewma, x: float) -> None:
         """A measured slowdown x, averaged from 1, within [1, MAX_SLOWDOWN]."""
@@ -250,7 +250,7 @@ class LoadPlanner:
               latency: float, busy: float = 0.0, g: float = 1.0) -> float:
         """When a front of x of the `remaining` tokens (computed once `busy` seconds of the
         front's earlier forwards are done) and a load of the rest both end (beside a
-        front, the load takes g times as long)."""
+        front, the load takes g times as long). Only with the prefill rate known."""
         computed = busy + self.compute_seconds(front, x) if x else busy
         return max(computed, (latency + (remaining - x) / L) * (g if x or busy else 1.0))
 

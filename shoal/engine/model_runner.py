@@ -9,9 +9,7 @@ docs/design.md, "A step" and "Attention on a GPU".
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,40 +30,6 @@ class SampledTokens(HostCopy):
     step's forward, so `tolist()` waits for that step only."""
 
 
-class LateTokens(SampledTokens):
-    """The samples of a deferred step (`ModelRunner.execute`'s `defer`): `tolist()` waits
-    until the executing thread launched the sample (`resolve`), then for the copy."""
-
-    def __init__(self):
-        self._launched = threading.Event()
-        self._error: BaseException | None = None
-
-    def resolve(self, tokens: torch.Tensor) -> None:
-        super().__init__(tokens)
-        self._launched.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._launched.set()
-
-    def tolist(self) -> list:
-        self._launched.wait()
-        if self._error is not None:
-            raise self._error
-        return super().tolist()
-
-
-@dataclass
-class _Deferred:
-    """A step whose sample waits for the next step's inputs to be sent: structured rows' masks
-    need the last tokens on the host; the next forward's host work overlaps this forward."""
-
-    logits: torch.Tensor
-    requests: list
-    sampled: LateTokens = field(default_factory=LateTokens)
-    forgotten: list[str] = field(default_factory=list)  # its requests to forget once sampled
-
-
 NO_TOKENS = SampledTokens(torch.empty(0, dtype=torch.int32))
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are computed at once
 
@@ -84,7 +48,6 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         self._logprobs: list[TokenLogprobs | None] | None = None  # the last execute's, if asked
         self._prompt_logprobs: list[tuple[str, int, TokenLogprobs]] = []  # (rid, position, lp)
-        self._deferred: _Deferred | None = None  # a step whose sample the next call launches
         # block-table columns: no request grows past the context or the whole cache
         max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
         self.table_width = cdiv(max_len, self.block_size)
@@ -105,69 +68,32 @@ class ModelRunner:
         return self.model.backend.paged
 
     def execute(self, batch: ScheduledBatch, token_counts: list[int],
-                layer_hooks=None, eager: bool = False, defer: bool = False) -> SampledTokens:
+                layer_hooks=None, eager: bool = False) -> SampledTokens:
         """Launch one step; returns one sampled token per sampling chunk, in chunk order.
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
         `layer_hooks`: the connector's worker hooks, called around every layer. `eager`: no
-        graph replay. `defer`: a step with structured rows may leave its sample to the next
-        call, or to `flush` if none comes (`_Deferred`)."""
+        graph replay."""
         sampling = [c for c in batch.chunks if c.is_sampling]
-        requests = [c.request for c in sampling]
         with torch.inference_mode():
-            try:
-                graph = None if eager or self.graphs is None else self.graphs.graph_for(batch)
-                self.replayed = graph is not None
-                if self.replayed:
-                    filled = self.graphs.prepare(graph, batch, self)
-                    self.flush()  # the last step's sample: its samples fill this one's inputs
-                    logits = self.graphs.replay(graph, batch, filled, self, layer_hooks)
-                else:
-                    input_ids, positions, meta, sample_rows, fill = self._prepare(batch,
-                                                                                  token_counts)
-                    self.flush()
-                    self.fill_placeholders(input_ids, *fill)
-                    hidden = self.model(input_ids, positions, meta, self.kv_cache.layers,
-                                        layer_hooks)
-                    logits = self.model.compute_logits(hidden[sample_rows])
-                    self._prompt_logprobs = self._of_prompts(batch, hidden)
-            except BaseException:
-                self.flush()  # (a failed step never leaves the last one's sample waiting)
-                raise
-            self._prev_rows = {r.request_id: row for row, r in enumerate(requests)}
-            num_top = [r.sampling.logprobs for r in requests]
-            if defer and self.model.shard.size == 1 and all(k is None for k in num_top) \
-                    and any(r.sampling.structured_output is not None for r in requests):
-                self._deferred = _Deferred(logits, requests)
-                return self._deferred.sampled
-            sampled = SampledTokens(self._sample(logits, requests))
+            graph = None if eager or self.graphs is None else self.graphs.graph_for(batch)
+            self.replayed = graph is not None
+            if self.replayed:
+                logits = self.graphs.replay(graph, batch, self, layer_hooks)
+            else:
+                input_ids, positions, meta, sample_rows = self._prepare(batch, token_counts)
+                hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
+                logits = self.model.compute_logits(hidden[sample_rows])
+                self._prompt_logprobs = self._of_prompts(batch, hidden)
+            requests = [c.request for c in sampling]
+            tokens = self.sampler.sample_on_device(logits, requests).int()
+            request_ids = [r.request_id for r in requests]
+        self._prev_tokens = tokens
+        self._prev_rows = {rid: row for row, rid in enumerate(request_ids)}
+        sampled = SampledTokens(tokens)
+        num_top = [c.request.sampling.logprobs for c in sampling]
         if any(k is not None for k in num_top):  # only rows whose request asked
             self._logprobs = compute_logprobs(logits, sampled.tolist(), num_top)
         return sampled
-
-    def flush(self) -> None:
-        """Launch the sample a deferred step left (nothing if none). If it fails, its step
-        fails (its `LateTokens` raise) as a step whose sample fails at once does, and the
-        next step reads zeros for its samples (never an index past them)."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            return
-        try:
-            try:
-                with torch.inference_mode():
-                    tokens = self._sample(deferred.logits, deferred.requests)
-            finally:  # (before its waiter goes on: it may forget requests too)
-                for request_id in deferred.forgotten:
-                    self._forget(request_id)
-        except BaseException as e:  # (raised to its waiter, whatever it is)
-            deferred.sampled.fail(e)  # first: its waiter is released whatever follows
-            self._prev_tokens = torch.zeros(len(deferred.requests), dtype=torch.int32,
-                                            device=self.device)
-        else:
-            deferred.sampled.resolve(tokens)
-
-    def _sample(self, logits: torch.Tensor, requests) -> torch.Tensor:
-        self._prev_tokens = self.sampler.sample_on_device(logits, requests).int()
-        return self._prev_tokens
 
     def time_prefill(self, num_tokens: int) -> tuple[float, float]:
         """Seconds one eager prefill forward of `num_tokens` tokens takes, and of those the
@@ -234,15 +160,7 @@ class ModelRunner:
                 moe.warm_up()
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request state once a request can never be scheduled again (a request of
-        a deferred step: once its sample is launched, which reads its sampler state)."""
-        if self._deferred is not None and any(r.request_id == request_id
-                                              for r in self._deferred.requests):
-            self._deferred.forgotten.append(request_id)
-        else:
-            self._forget(request_id)
-
-    def _forget(self, request_id: str) -> None:
+        """Drop per-request state once a request can never be scheduled again."""
         self.sampler.forget(request_id)
         self.table_rows.release(request_id)
 
@@ -258,8 +176,8 @@ class ModelRunner:
                 0, sources.to(torch.long)).to(input_ids.dtype))
 
     def _prepare(self, batch: ScheduledBatch, token_counts: list[int]):
-        """The step's inputs, for every backend, in one copy (`StepInputs`). The placeholders
-        (rows, sources) are left to `fill_placeholders`, once the last sample is launched."""
+        """The step's inputs, for every backend, in one copy (`StepInputs`); the block table
+        gathered from the rows kept across steps."""
         r = self.rows(batch)
         (input_ids, positions, slot_blocks, slot_offsets, starts, lens, ctxs, table_rows,
          indices, values, sample_rows, fill_rows, sources) = self._inputs.send(
@@ -271,6 +189,7 @@ class ModelRunner:
         host = r.starts.tolist(), r.lens.tolist(), r.ctxs.tolist()
         cols = cdiv(max(host[2], default=1), self.block_size)  # the columns any request reads
         table = self.table_rows.table[:, :cols].index_select(0, table_rows)
+        self.fill_placeholders(input_ids, fill_rows, sources)
         paged = PagedInputs(table, starts, lens, ctxs, max(host[1], default=1), host)
         meta = AttentionMetadata(slot_blocks, slot_offsets, paged, token_counts)
-        return input_ids, positions, meta, sample_rows.long(), (fill_rows, sources)
+        return input_ids, positions, meta, sample_rows.long()

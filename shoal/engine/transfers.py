@@ -240,10 +240,11 @@ class KVTransfers:
                                                      self.ctx.block_size,
                                                      self.config.load_failure_policy)
             self._counts["load_failures_recomputed"] += recomputed
+            if error is None:  # (a cancelled load's tokens were loaded too)
+                self._counts["connector_tokens_loaded"] += num_ok - start
             if load.is_cancelled or error is not None:
                 out.ended.append(_ended(load, error))
             else:
-                self._counts["connector_tokens_loaded"] += num_ok - start
                 self._landed[rid] = LandedLoad(start, num_ok, load.num_cached, load.request)
         for rid in sorted(report.finished_saving):
             epoch = plan.save_epochs.get(rid)
@@ -275,8 +276,8 @@ class KVTransfers:
         """False (and fatal) if a load may still write the request's blocks: ordinary
         cleanup of such a request is refused; its end comes through `apply`."""
         if self.is_loading(req.request_id):
-            self.calls.fail("refused to free the blocks of a request whose load is still pending",
-                      req.request_id)
+            self.calls.fail("refused to free the blocks of a request whose load is still "
+                            "pending", req.request_id)
             return False
         return True
 
