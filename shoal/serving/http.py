@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 import uuid
 import weakref
@@ -71,7 +70,6 @@ class OpenAIServer:
         # engine stats for /metrics: never queued behind tokenizing requests
         self._control = ThreadPoolExecutor(4, thread_name_prefix="shoal-stats")
         self._stats: dict | None = None  # the last stats read
-        self._tokenizer_lock = threading.Lock()  # HF tokenizers are not reentrant-safe
         # loaded now, not by concurrent requests; the template tells the tool call format
         self._chat_template = (getattr(llm.tokenizer.hf, "chat_template", None)
                                if llm.tokenizer.is_available else None)
@@ -150,7 +148,7 @@ class OpenAIServer:
                               "tokens")
 
         def decode() -> str:
-            with self._tokenizer_lock:
+            with self.llm.tokenizer.lock:
                 return self.llm.tokenizer.decode(list(body.tokens))
         loop = asyncio.get_running_loop()
         try:
@@ -318,7 +316,7 @@ class OpenAIServer:
         """(worker thread) Each prompt as text: as given, or its token ids decoded."""
         if not self.llm.tokenizer.is_available:
             return [p if isinstance(p, str) else "" for p in prompts]
-        with self._tokenizer_lock:
+        with self.llm.tokenizer.lock:
             return [p if isinstance(p, str) else self.llm.tokenizer.decode(list(p))
                     for p in prompts]
 
@@ -341,13 +339,13 @@ class OpenAIServer:
         param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
         self._refuse_certainly_too_long(prompt, param)
         try:
-            with self._tokenizer_lock:
-                if param == "messages":
-                    ids = self.llm.tokenizer.apply_chat_template(prompt.messages, prompt.tools)
-                elif isinstance(prompt, str):
-                    ids = self.llm.tokenizer.encode(prompt)
-                else:
-                    ids = list(prompt)
+            # (threads tokenize at once: shoal.model.tokenizer takes its own lock where needed)
+            if param == "messages":
+                ids = self.llm.tokenizer.apply_chat_template(prompt.messages, prompt.tools)
+            elif isinstance(prompt, str):
+                ids = self.llm.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
         except (TypeError, ValueError) as e:
             raise bad_request(str(e), param) from e
         except Exception as e:  # a chat template may raise its own errors (e.g. roles)
