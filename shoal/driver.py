@@ -84,8 +84,9 @@ def collect_what_was_shut_down() -> None:
     objects were frozen with the rest at its bring-up (shoal.util.freeze_what_was_built),
     out of the cyclic collector's reach, so the cycle would keep its weights and KV memory
     for the life of the process (on a GPU, each engine a process builds after another would
-    add its own until one no longer fits). Collect once with everything thawed (~0.2-0.5 s); freeze the survivors (other
-    engines, the libraries) again. An engine no cycle holds is freed when let go."""
+    add its own until one no longer fits). Collect once with everything thawed (~0.2-0.5
+    s); freeze the survivors (other engines, the libraries) again. An engine no cycle holds
+    is freed when let go."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()

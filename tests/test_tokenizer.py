@@ -66,17 +66,20 @@ def test_threads_tokenize_at_once_and_get_the_same_ids(smollm2_tokenizer):
     assert not errors and len(got) == 40 and all(ids == want for ids in got)
 
 
-def test_a_tokenizer_file_that_truncates_goes_through_the_wrapper(smollm2_tokenizer, tmp_path):
-    """A tokenizer.json with truncation set: the Rust tokenizer would cut the text, the HF
-    wrapper turns truncation off per call, so the wrapper's ids are what comes back."""
+def test_a_tokenizer_file_that_truncates_gives_the_whole_text_s_ids(smollm2_tokenizer,
+                                                                    tmp_path):
+    """A tokenizer.json with truncation set: the Rust tokenizer alone would cut the text; the
+    HF wrapper turns truncation off in every call, and so does Shoal, once at load."""
+    from tokenizers import Tokenizer as RustTokenizer
     tok = smollm2_tokenizer
     tok.hf.save_pretrained(str(tmp_path))
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst",
                           "stride": 0}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    assert RustTokenizer.from_file(str(tmp_path / "tokenizer.json")).truncation is not None
     truncating = Tokenizer(Path(tmp_path), None, "test-truncation")
-    assert truncating.hf.backend_tokenizer.truncation is not None
     text = TEXTS[-1]
     assert truncating.encode(text) == tok.encode(text) and len(tok.encode(text)) > 8
+    assert truncating.encode(text) == truncating.hf.encode(text, add_special_tokens=True)
     assert truncating.apply_chat_template(CHATS[1]) == tok.apply_chat_template(CHATS[1])

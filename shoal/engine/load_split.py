@@ -118,8 +118,11 @@ class LoadPlanner:
         C = self.prefill_tps.value
         if not C:
             return 0.0
-        alone = max(self.prefill_launch_s, self.prefill_overhead_s + self.work(start, num_tokens) / C)
-        return alone * self.front_slowdown.factor
+        return self._alone(self.work(start, num_tokens), C) * self.front_slowdown.factor
+
+    def _alone(self, work: float, C: float) -> float:
+        """A forward of `work` alone (no load beside it) at prefill rate C."""
+        return max(self.prefill_launch_s, self.prefill_overhead_s + work / C)
 
     def _learn_slowdown(self, ratio: Ewma, x: float) -> None:
         """A measured slowdown x, averaged from 1, within [1, MAX_SLOWDOWN]."""
@@ -172,8 +175,7 @@ class LoadPlanner:
         observe_prefill."""
         C = self.prefill_tps.value
         if C and sum(n for _, n in chunks) >= MIN_PREFILL_TOKENS:
-            alone = max(self.prefill_launch_s, self.prefill_overhead_s
-                        + sum(self.work(s, n) for s, n in chunks) / C)
+            alone = self._alone(sum(self.work(s, n) for s, n in chunks), C)
             self._learn_slowdown(self.front_slowdown, seconds / alone)
 
     def observe_load(self, num_tokens: int, seconds: float, first_landed_s: float | None,

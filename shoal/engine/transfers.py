@@ -382,4 +382,6 @@ class KVTransfers:
 
 def _ended(load: PendingLoad, error: str | None) -> tuple[Request, str, str | None]:
     """How a load's request ends when its load ends without running it."""
-    return (load.request, "cancelled", None) if load.is_cancelled else (load.request, "error", error)
+    if load.is_cancelled:
+        return load.request, "cancelled", None
+    return load.request, "error", error

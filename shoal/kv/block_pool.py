@@ -1,8 +1,9 @@
 """Ref-counted KV blocks, an LRU free queue and the key -> block prefix cache.
 
 A block is in exactly one place: the free queue (ref_count == 0; it may still hold a cached
-key, evicted only when it is reallocated) or in use (ref_count > 0). Freed blocks join the queue's tail
-and allocation takes its head: the least recently used cached content goes first."""
+key, evicted only when it is reallocated) or in use (ref_count > 0). Freed blocks join the
+queue's tail and allocation takes its head: the least recently used cached content goes
+first."""
 
 from __future__ import annotations
 

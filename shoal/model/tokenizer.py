@@ -21,9 +21,9 @@ class Tokenizer:
         self._dir, self._gguf_file, self._checksum = tokenizer_dir, gguf_file, checksum
         self._loaded = None
         self._error: str | None = None  # why it could not be loaded
-        # held by calls that may change the HF tokenizer's settings (the wrapper's own
-        # encode sets truncation and padding on each call: another thread's call in the
-        # Rust tokenizer then fails with "Already borrowed"); callers may take it too
+        # held by calls through the transformers wrapper where it may change the Rust
+        # tokenizer's settings (its encode sets truncation and padding per call: another
+        # thread's call then fails with "Already borrowed"); callers may take it too
         self.lock = threading.Lock()
 
     @property
@@ -33,10 +33,16 @@ class Tokenizer:
             raise ValueError(self._error)
         if self._loaded is None:
             try:
-                self._loaded = self._load()
+                loaded = self._load()
             except ValueError as e:
                 self._error = str(e)
                 raise
+            rust = getattr(loaded, "backend_tokenizer", None)
+            if rust is not None:  # a file's truncation and padding off, once: the wrapper
+                # turns them off in each of its calls, and `_ids` calls the Rust side itself
+                rust.no_truncation()
+                rust.no_padding()
+            self._loaded = loaded
         return self._loaded
 
     @property
@@ -95,13 +101,12 @@ class Tokenizer:
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text`, as the HF tokenizer's encode gives them. Through the Rust
-        tokenizer's batch call where it can: that lets go of the GIL and changes no setting,
-        so threads tokenize at once (a server's requests: an 8k-token prompt takes ~5-10 ms).
-        A tokenizer with no Rust side, or one whose file sets truncation or padding (the
-        wrapper turns them off per call), goes through the wrapper under `lock`."""
+        tokenizer's batch call: that lets go of the GIL and changes no setting, so threads
+        tokenize at once (a server's requests: an 8k-token prompt takes ~5-10 ms). A
+        tokenizer with no Rust side goes through the wrapper under `lock`."""
         tok = self._tok
         rust = getattr(tok, "backend_tokenizer", None)
-        if rust is None or rust.truncation is not None or rust.padding is not None:
+        if rust is None:
             with self.lock:
                 return tok.encode(text, add_special_tokens=add_special_tokens)
         return rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
