@@ -143,11 +143,15 @@ class Grammars:
         return mask
 
     def advance(self, request_ids: list[str], tokens: list[int]) -> None:
-        """Each request's matcher takes its sampled token."""
-        for rid, token in zip(request_ids, tokens):
-            m = self._matchers.get(rid)
-            if m is not None and not m.is_stopped() and not m.consume_token(token) \
-                    and token not in self._eos:  # (a dead end's forced stop ends it anyway)
+        """Each request's matcher takes its sampled token (on the executor's threads, off
+        the GIL: the thread that launches the next forward is not held up meanwhile)."""
+        taking = [(rid, m, token) for rid, token in zip(request_ids, tokens)
+                  if (m := self._matchers.get(rid)) is not None and not m.is_stopped()]
+        if not taking:
+            return
+        taken = self._executor.consume_token_par([(m, token) for _, m, token in taking])
+        for (rid, m, token), ok in zip(taking, taken):
+            if not ok and token not in self._eos:  # (a dead end's forced stop ends it anyway)
                 log.warning("structured output of %s: token %d refused (%s); it ends at its "
                             "next token", rid, token, m.get_error())
 

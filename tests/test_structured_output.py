@@ -199,3 +199,25 @@ def test_a_request_is_forgotten_without_waiting_for_the_masks_being_filled(smoll
     gate.set()
     mask = grammars.masks(rows[1:])
     assert set(grammars._matchers) == {"r1"} and mask.shape == (1, grammars.num_words)
+
+
+def test_matchers_take_a_batch_of_tokens_and_a_refused_one_ends_its_request(smollm2, caplog):
+    """`advance` hands the batch to the executor's threads at once: each matcher takes its
+    own token; one the grammar refuses is logged for that request only, and its next mask
+    allows the end-of-sequence token alone, so the request ends there."""
+    from types import SimpleNamespace
+
+    from shoal.structured_output import Grammars, allowed_tokens
+    base = smollm2.engine.runner.sampler.grammars
+    grammars = Grammars(base._hf_tokenizer, base.vocab_size, base._eos)
+    sp = SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="[a-z]+"))
+    rows = [SimpleNamespace(request_id=f"r{i}", sampling=sp) for i in range(3)]
+    grammars.bitmask(rows)  # (their matchers)
+    letter, digit = (smollm2.engine.tokenizer.encode(t)[-1] for t in ("a", "7"))
+    with caplog.at_level("WARNING", logger="shoal.structured_output"):
+        grammars.advance(["r0", "r1", "r2"], [letter, digit, letter])
+    assert [r.message for r in caplog.records if "refused" in r.message] == [
+        caplog.records[0].message] and "of r1: token" in caplog.records[0].message
+    allowed = allowed_tokens(grammars.bitmask(rows), grammars.vocab_size)
+    assert allowed[0, letter] and allowed[2, letter] and not allowed[0, digit]
+    assert allowed[1].nonzero().flatten().tolist() == grammars._eos[:1]
