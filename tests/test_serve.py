@@ -474,6 +474,40 @@ def test_penalties_bias_and_min_p_equal_the_library(server, smollm2):
     assert r["choices"][0]["text"] == want.text
 
 
+def test_top_k_and_top_p_equal_the_library(server, smollm2):
+    """Seeded sampling with top_k and top_p over HTTP draws the library's tokens, and each
+    changes what is drawn."""
+    prompt = "Once upon a time, in a small village,"
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 1.3, "seed": 11}
+    texts = {}
+    for name, cut in (("none", {}), ("top_k", {"top_k": 3}), ("top_p", {"top_p": 0.5}),
+                      ("both", {"top_k": 5, "top_p": 0.8})):
+        got = server.post("/v1/completions", {**body, **cut}).json()["choices"][0]["text"]
+        want = smollm2.generate([prompt], SamplingParams(max_tokens=16, temperature=1.3,
+                                                         seed=11, **cut))[0].text
+        assert got == want, name
+        texts[name] = got
+    assert len(set(texts.values())) > 1
+
+
+def test_a_cache_salt_separates_cached_prefixes(server):
+    """The same long prompt under one salt is cached from its second request on; under
+    another salt, or none, nothing of it is (the salt is in every block's key)."""
+    body = {"prompt": DOC + "\nQuestion: which ship came last?", "max_tokens": 2,
+            "temperature": 0}
+
+    def cached(salt):
+        extra = {} if salt is None else {"cache_salt": salt}
+        usage = server.post("/v1/completions", {**body, **extra}).json()["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    n, first = cached("tenant-a")
+    assert first == 0 and n > 200
+    assert cached("tenant-a")[1] >= n - 32
+    assert cached("tenant-b")[1] == 0
+    assert cached("tenant-a")[1] >= n - 32
+
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
           "properties": {"city": {"type": "string", "maxLength": 40},
                          "country": {"type": "string", "maxLength": 40}}}
@@ -507,6 +541,47 @@ def test_structured_output_with_the_official_client(server):
         r = server.client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20,
                                              temperature=0, extra_body=extra)
         assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
+
+
+NUMBER = {"type": "object", "additionalProperties": False, "required": ["n"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def _number(text: str) -> bool:
+    import jsonschema
+    jsonschema.validate(json.loads(text), NUMBER)
+    return True
+
+
+def _object(text: str, finish_reason: str) -> bool:
+    """Any JSON object: sampled, one may run to max_tokens (then it has begun as one)."""
+    return isinstance(json.loads(text), dict) if finish_reason == "stop" else (
+        finish_reason == "length" and text.lstrip().startswith("{"))
+
+
+@pytest.mark.parametrize("extra, holds", [
+    ({"guided_json": NUMBER}, _number),
+    ({"guided_json": json.dumps(NUMBER)}, _number),  # vLLM takes the schema's text too
+    ({"guided_grammar": 'start: "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ({"guided_grammar": 'root ::= "up" | "down"'}, lambda t: t in ("up", "down")),  # GBNF
+    ({"structured_outputs": {"json": NUMBER}}, _number),
+    ({"structured_outputs": {"json_object": True}}, _object),
+    ({"structured_outputs": {"choice": ["north", "south"]}}, lambda t: t in ("north", "south")),
+    ({"structured_outputs": {"grammar": 'start: /[0-9]{1,3}/ "!"'}},
+     lambda t: re.fullmatch("[0-9]{1,3}!", t)),
+], ids=["guided_json", "guided_json_text", "guided_grammar_lark", "guided_grammar_gbnf",
+        "structured_outputs_json", "structured_outputs_json_object",
+        "structured_outputs_choice", "structured_outputs_grammar"])
+def test_each_form_of_vllm_s_structured_output_extras_holds(server, extra, holds):
+    """vLLM's extras in each form, through the official client, greedy and sampled: the
+    text matches (checked by jsonschema, json, re), and the request stops there."""
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        r = server.client.completions.create(model=MODEL, prompt="Answer: ", max_tokens=40,
+                                             extra_body=extra, **sampling)
+        c = r.choices[0]
+        ok = holds(c.text, c.finish_reason) if holds is _object else (
+            c.finish_reason == "stop" and holds(c.text))
+        assert ok, (sampling, c.finish_reason, c.text)
 
 
 WEATHER_TOOL = {"type": "function", "function": {
