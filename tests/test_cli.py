@@ -36,6 +36,41 @@ def test_generate_json_on_smollm2(smollm2_path, tmp_path):
     assert len(summary["per_rank"]) == 1
 
 
+def test_generate_s_sampling_and_engine_flags_reach_the_run(smollm2_path, smollm2):
+    """`generate --temperature --top-p --top-k --seed` draws the library's tokens for the same
+    SamplingParams (a seeded request draws the same in any engine), while the engine runs
+    with every engine flag given (-v: INFO lines on stderr, the engine's among them)."""
+    from shoal import SamplingParams
+    prompt = "The old harbor at night was"
+    r = shoal("-v", "generate", "--model", smollm2_path, "--prompt", prompt, "--max-tokens", "10",
+              "--temperature", "0.9", "--top-p", "0.9", "--top-k", "20", "--seed", "7",
+              "--no-overlap", "--max-batch-size", "4", "--max-num-tokens", "128",
+              "--block-size", "32", "--dtype", "float32", "--enforce-eager",
+              "--num-kv-blocks", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[0])["token_ids"]
+    want = smollm2.generate([prompt], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9,
+                                                     top_k=20, seed=7))[0].token_ids
+    greedy = smollm2.generate([prompt], SamplingParams(max_tokens=10))[0].token_ids
+    assert got == want and got != greedy
+    assert re.search(r" INFO .*engine ready: 64 KV blocks of 32 tokens", r.stderr), r.stderr
+
+
+@pytest.mark.slow
+def test_demo_keeps_its_pool_in_the_directory_given(tmp_path):
+    """`shoal demo --kv-pool DIR --no-overlap`: the demo's cold and warm fleets agree, the
+    pool stays in DIR, and a second demo on it loads the handbook already in its cold run."""
+    pool = tmp_path / "pool"
+    first = shoal("demo", "--kv-pool", str(pool), "--no-overlap", timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "outputs identical cold vs warm             yes" in first.stdout
+    assert str(pool) in first.stdout and any(pool.rglob("*.kv"))
+    second = shoal("demo", "--kv-pool", str(pool), timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    saved = int(re.search(r"blocks saved by the cold run +(\d+)", second.stdout).group(1))
+    assert saved < int(re.search(r"blocks saved by the cold run +(\d+)", first.stdout).group(1))
+
+
 @pytest.mark.parametrize("args, needle", [
     (["generate", "--prompt", "x", "--block-size", "0"], "block_size"),
     (["generate", "--prompt", "x", "--max-tokens", "-3"], "max_tokens"),
@@ -311,7 +346,7 @@ def test_bench_structured_runs_free_and_constrained(grammar):
     match their grammar; the ratio is the bench's figure (not asserted); a checkpoint
     without a tokenizer is refused in one line."""
     r = shoal("bench", "structured", "--num-prompts", "2", "--max-tokens", "6", "--rounds", "1",
-              "--grammar", grammar)
+              "--grammar", grammar, "--device", "cpu")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["grammar"] == grammar and result["outputs_matching"] == 1.0
@@ -338,6 +373,54 @@ def test_bench_serve_with_an_engine_process(smollm2_path):
                     "warm restart": "4", "library": "4", "decode (library)": "4"}
 
 
+def test_bench_serve_against_a_running_server(smollm2_path):
+    """`--url URL --served-model-name NAME`: one run against a server started elsewhere,
+    under the name it serves (a wrong name would be refused, and so every request)."""
+    from shoal.bench.serve import ServerProcess
+    server = ServerProcess(smollm2_path, ["--served-model-name", "harbor", "--num-kv-blocks",
+                                          "256"])
+    try:
+        r = shoal("bench", "serve", "--url", server.url, "--served-model-name", "harbor",
+                  "--clients", "1", "--docs", "1", "--doc-tokens", "64", "--questions", "2",
+                  "--chats", "0", "--max-tokens", "3")
+    finally:
+        assert server.stop() == 0
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["url"] == server.url and result["requests"] == 2
+    assert result["cached_share"] > 0  # the second question (one client) found the document
+
+
+@pytest.mark.extended
+def test_bench_ttft_with_two_owners_and_on_a_tp_fleet():
+    """`--dp 2`: the second owner of a fresh fleet loads what the first one's saved (a
+    checkpoint with no tokenizer too); `--tp 3`: every engine a TP fleet, the pool hit the
+    same; --dp with a flag of the one-fleet bench is refused, naming it."""
+    r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
+              "--dp", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["dp"] == 2 and result["blocks_saved_per_owner_cold"][0] > 0
+    assert result["tokens_loaded_per_owner_warm"][1] == 48  # owner 0's saves: 3 full blocks
+    r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
+              "--rounds", "1", "--tp", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["tokens_loaded"] == 48 and result["ttft_pool_s"] > 0
+    r = shoal("bench", "ttft", "--dp", "2", "--tp", "3", "--source", "tier")
+    assert r.returncode == 2 and "without --tp, --source" in r.stderr
+
+
+@pytest.mark.extended
+def test_bench_serve_on_dp2_servers(smollm2_path):
+    r = shoal("bench", "serve", "--model", smollm2_path, "--dp", "2", "--clients", "2",
+              "--docs", "1", "--doc-tokens", "64", "--questions", "2", "--chats", "0",
+              "--max-tokens", "3", "--num-kv-blocks", "256", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["requests"] == 2 and result["cached_share_warm"] > result["cached_share_off"]
+
+
 @pytest.mark.extended  # the tier's test runs a random checkpoint too
 def test_bench_ttft_on_a_random_checkpoint():
     """`shoal bench ttft --model random:<shape>`: random token prompts (no tokenizer), the
@@ -359,7 +442,7 @@ def test_bench_ttft_from_the_tier_with_capped_reads():
     token)."""
     r = shoal("bench", "ttft", "--model", "random:smollm2-135m", "--prefix-tokens", "64",
               "--rounds", "1", "--source", "tier", "--pool-read-gbps", "0.5",
-              "--block-size", "32")
+              "--block-size", "32", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["source"] == "tier" and result["pool_read_gbps"] == 0.5
@@ -429,7 +512,8 @@ def test_bench_throughput_against_transformers(tiny_models):
     """`shoal bench throughput` (`make bench`) on random-token prompts: both engines produce
     every token, the long prompt's second run is a local prefix hit."""
     r = shoal("bench", "throughput", "--model", str(tiny_models["gqa_tied"]), "--num-prompts",
-              "3", "--max-tokens", "5", "--prompt-len", "20", "--rounds", "2")
+              "3", "--max-tokens", "5", "--prompt-len", "20", "--rounds", "2", "--device", "cpu",
+              "--dtype", "float32", "--enforce-eager")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["bench"] == "throughput" and result["rounds"] == 2
@@ -440,7 +524,7 @@ def test_bench_throughput_against_transformers(tiny_models):
 
 def test_bench_adp_against_one_rank(tiny_models):
     r = shoal("bench", "adp", "--model", str(tiny_models["gqa_tied"]), "--num-prompts", "4",
-              "--max-tokens", "6", "--kv-cache-gb", "0.01")
+              "--max-tokens", "6", "--kv-cache-gb", "0.01", "--device", "cpu")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     one, two = result["runs"]

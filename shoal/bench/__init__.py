@@ -93,6 +93,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "ttft":
         from shoal.bench.ttft import run_ttft, run_ttft_dp
         if args.dp > 1:
+            given = [flag for flag, on in (("--tp", args.tp != 1), ("--pool", args.pool),
+                                           ("--pool-read-gbps", args.pool_read_gbps),
+                                           ("--skip-load-only", args.skip_load_only),
+                                           ("--source", args.source != "files")) if on]
+            if given:
+                raise ValueError(f"bench ttft --dp runs two fleets on a pool directory of its "
+                                 f"own, without {', '.join(given)}")
             return run_ttft_dp(args.model, args.prefix_tokens, args.dp, args.device,
                                args.block_size)
         return run_ttft(args.model, args.prefix_tokens, args.rounds, args.device, args.tp,

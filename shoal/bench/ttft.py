@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import tempfile
+import zlib
 from typing import Callable, Iterator
 
 import torch
@@ -22,14 +23,18 @@ ONE = SamplingParams(max_tokens=1)
 CPU_TIER_BYTES = 1 << 30  # --source tier on a CPU (a GPU's default tier is larger)
 
 
-def _prompt(llm: LLM, num_tokens: int) -> list[int]:
-    if llm.config.model.startswith("random:"):  # no tokenizer: random token ids
-        gen = torch.Generator().manual_seed(0)
-        return torch.randint(3, llm.engine.info.vocab_size, (num_tokens,), generator=gen).tolist()
+def _prompt(llm: LLM, num_tokens: int, question: str = " Question: what must the tenant do?"
+            ) -> list[int]:
+    """A shared body, then 16 tokens of `question` (random ids, fixed by the text, for a
+    checkpoint with no tokenizer)."""
+    if llm.config.model.startswith("random:"):
+        def ids(n: int, seed: int) -> list[int]:
+            gen = torch.Generator().manual_seed(seed)
+            return torch.randint(3, llm.engine.info.vocab_size, (n,), generator=gen).tolist()
+        return ids(num_tokens - 16, 0) + ids(16, zlib.crc32(question.encode()))
     text = " ".join(f"Clause {i}: the tenant keeps the harbor gate closed after dark."
                     for i in range(num_tokens // 8))
-    ids = llm.tokenizer.encode(text)[:num_tokens - 16]
-    return ids + llm.tokenizer.encode(" Question: what must the tenant do?")[:16]
+    return llm.tokenizer.encode(text)[:num_tokens - 16] + llm.tokenizer.encode(question)[:16]
 
 
 @contextlib.contextmanager
@@ -199,7 +204,7 @@ def run_ttft_dp(model: str, prefix_tokens: int, dp: int, device: str, block_size
         kw = dict(kv_pool=pool, device=device, dp_size=dp, block_size=block_size)
         with LLM(model, **kw) as llm:
             prompt = _prompt(llm, prefix_tokens)
-            sibling = prompt[:-16] + llm.tokenizer.encode(" Question: who keeps the gate?")[:16]
+            sibling = _prompt(llm, prefix_tokens, " Question: who keeps the gate?")
             cold = llm.generate([prompt], ONE)[0]  # the router gives it to owner 0
             saved = [s["blocks_saved"] for s in llm.stats()["per_rank"]]
         with LLM(model, **kw) as llm:
