@@ -103,8 +103,8 @@ def test_serve_on_an_address_it_cannot_take_is_one_line_and_exit_1():
             assert len(lines) == 1 and f"cannot listen on {needle}" in lines[0], r.stderr
 
 
-# every option `shoal serve --help` lists; each is exercised: the engine's below, the
-# server's in test_serve.py (--host, --port, --served-model-name, --shutdown-grace,
+# every option `shoal serve --help` lists; each is exercised: the engine's below (parsed)
+# and in real servers in test_serve.py, as the server's are (--host, --port, --served-model-name, --shutdown-grace,
 # --access-log, --api-key, --max-body-bytes, --max-concurrent-requests, --max-queue,
 # --read-timeout) and above (bad --port, --shutdown-grace, --max-body-bytes and the
 # limits, an address in use)

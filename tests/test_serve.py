@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from shoal import SamplingParams
 from shoal.serving.process import READY_MESSAGE
@@ -44,12 +45,14 @@ class Server:
     URL: http://HOST:PORT). A thread keeps its output (stdout and stderr): a full pipe would
     block it, and tests wait for lines in it."""
 
-    def __init__(self, model_path: str, *args: str, own_group: bool = False):
-        """`own_group`: the server leads a process group of its own (as under systemd)."""
+    def __init__(self, model_path: str, *args: str, own_group: bool = False,
+                 verbose: bool = False):
+        """`own_group`: the server leads a process group of its own (as under systemd);
+        `verbose`: `shoal -v serve` (INFO lines)."""
         self.port = _free_port()
         env = {**os.environ, "SHOAL_SERVE_DEBUG": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "serve", "--model", model_path, "--port",
+            [sys.executable, "-m", "shoal", *["-v"] * verbose, "serve", "--model", model_path, "--port",
              str(self.port), "--served-model-name", MODEL, *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=own_group)
@@ -897,6 +900,24 @@ def test_host_access_log_engine_limits_and_shutdown_grace(smollm2_path, smollm2)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown"
         assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutdown"
         assert cut_after < 15  # the default grace (30 s) would have let them run on
+    finally:
+        assert s.stop() == 0
+
+
+def test_the_engine_flags_shape_the_server_s_engine(smollm2_path, smollm2):
+    """`--block-size --kv-cache-gb --dtype --enforce-eager` reach the engine the server runs
+    (its ready line: blocks of 32 tokens, as many as 0.05 GiB of float32 KV holds) and the
+    answers are the library's."""
+    s = Server(smollm2_path, "--block-size", "32", "--kv-cache-gb", "0.05", "--dtype",
+               "float32", "--enforce-eager", verbose=True)
+    try:
+        line = s.wait_for_line("KV blocks of 32 tokens", READY_TIMEOUT)
+        block_nbytes = 2 * smollm2.engine.info.block_nbytes  # (16-token float32 blocks there)
+        assert smollm2.config.block_size == 16 and smollm2.config.torch_dtype == torch.float32
+        assert line and f" {int(0.05 * 2**30) // block_nbytes} KV blocks" in line, line
+        r = s.post("/v1/completions", {"prompt": DOC[:300], "max_tokens": 6, "temperature": 0})
+        want = smollm2.generate([DOC[:300]], SamplingParams(max_tokens=6))[0].text
+        assert r.json()["choices"][0]["text"] == want
     finally:
         assert s.stop() == 0
 
