@@ -104,10 +104,10 @@ def test_serve_on_an_address_it_cannot_take_is_one_line_and_exit_1():
 
 
 # every option `shoal serve --help` lists; each is exercised: the engine's below (parsed)
-# and in real servers in test_serve.py, as the server's are (--host, --port, --served-model-name, --shutdown-grace,
-# --access-log, --api-key, --max-body-bytes, --max-concurrent-requests, --max-queue,
-# --read-timeout) and above (bad --port, --shutdown-grace, --max-body-bytes and the
-# limits, an address in use)
+# and in real servers in test_serve.py, as the server's are (--host, --port,
+# --served-model-name, --shutdown-grace, --access-log, --api-key, --max-body-bytes,
+# --max-concurrent-requests, --max-queue, --read-timeout), and above (bad --port,
+# --shutdown-grace, --max-body-bytes and the limits, an address in use)
 SERVE_OPTIONS = {
     "--model", "--dp", "--tp", "--kv-pool", "--block-size", "--max-batch-size",
     "--max-num-tokens", "--num-kv-blocks", "--kv-cache-gb", "--no-overlap", "--device",
