@@ -56,7 +56,7 @@ def test_generate_s_sampling_and_engine_flags_reach_the_run(smollm2_path, smollm
     assert re.search(r" INFO .*engine ready: 64 KV blocks of 32 tokens", r.stderr), r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # (`make demo` runs the demo itself)
 def test_demo_keeps_its_pool_in_the_directory_given(tmp_path):
     """`shoal demo --kv-pool DIR --no-overlap`: the demo's cold and warm fleets agree, the
     pool stays in DIR, and a second demo on it loads the handbook already in its cold run."""
