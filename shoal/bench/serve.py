@@ -161,7 +161,8 @@ async def _one(http, url: str, model: str, messages: list[dict],
 
 def run_library(model: str, jobs: list[Job], clients: int, max_tokens: int,
                 engine_kwargs: dict) -> Phase:
-    """The same jobs through `LLM.submit` + `stream()` from `clients` threads."""
+    """The same jobs through `LLM.submit` + `stream()` from `clients` threads, each
+    tokenizing its own chat (at once, as the server's request threads do) inside its TTFT."""
     from shoal import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -182,10 +183,10 @@ def run_library(model: str, jobs: list[Job], clients: int, max_tokens: int,
                 for question in job.questions:
                     messages = _messages(job, history, question)
                     with lock:
-                        ids = llm.tokenizer.apply_chat_template(messages)
                         is_first = job.prefix not in touched
                         touched.add(job.prefix)
-                    sent = time.perf_counter()
+                    sent = time.perf_counter()  # (tokenizing counts, as in the server's TTFT)
+                    ids = llm.tokenizer.apply_chat_template(messages)
                     h = llm.submit(ids, sp)
                     times = []
                     for _ in h.stream():
