@@ -38,8 +38,10 @@ def test_generate_json_on_smollm2(smollm2_path, tmp_path):
 
 def test_generate_s_sampling_and_engine_flags_reach_the_run(smollm2_path, smollm2):
     """`generate --temperature --top-p --top-k --seed` draws the library's tokens for the same
-    SamplingParams (a seeded request draws the same in any engine), while the engine runs
-    with every engine flag given (-v: INFO lines on stderr, the engine's among them)."""
+    SamplingParams (a seeded request draws the same in any engine), on an engine run with
+    the engine flags given; -v prints INFO lines, the engine's ready line among them (its
+    blocks: 64 of 32 tokens in float32). The effects of --max-batch-size, --max-num-tokens
+    and --no-overlap are asserted on a server (test_serve.py; one parser for both)."""
     from shoal import SamplingParams
     prompt = "The old harbor at night was"
     r = shoal("-v", "generate", "--model", smollm2_path, "--prompt", prompt, "--max-tokens", "10",
@@ -53,7 +55,7 @@ def test_generate_s_sampling_and_engine_flags_reach_the_run(smollm2_path, smollm
                                                      top_k=20, seed=7))[0].token_ids
     greedy = smollm2.generate([prompt], SamplingParams(max_tokens=10))[0].token_ids
     assert got == want and got != greedy
-    assert re.search(r" INFO .*engine ready: 64 KV blocks of 32 tokens", r.stderr), r.stderr
+    assert re.search(r" INFO .*engine ready: 64 KV blocks of 32 tokens \(90\.0 MiB\)", r.stderr)
 
 
 @pytest.mark.extended  # (`make demo` runs the demo itself)
@@ -103,8 +105,9 @@ def test_serve_on_an_address_it_cannot_take_is_one_line_and_exit_1():
             assert len(lines) == 1 and f"cannot listen on {needle}" in lines[0], r.stderr
 
 
-# every option `shoal serve --help` lists; each is exercised: the engine's below (parsed)
-# and in real servers in test_serve.py, as the server's are (--host, --port,
+# every option `shoal serve --help` lists; each is exercised: the engine's below (parsed;
+# most also in real servers in test_serve.py, --tp and --dp in test_parallel.py), the
+# server's in real servers in test_serve.py (--host, --port,
 # --served-model-name, --shutdown-grace, --access-log, --api-key, --max-body-bytes,
 # --max-concurrent-requests, --max-queue, --read-timeout), and above (bad --port,
 # --shutdown-grace, --max-body-bytes and the limits, an address in use)
@@ -384,8 +387,9 @@ def test_bench_serve_against_a_running_server(smollm2_path):
                   "--clients", "1", "--docs", "1", "--doc-tokens", "64", "--questions", "2",
                   "--chats", "0", "--max-tokens", "3")
     finally:
-        assert server.stop() == 0
+        code = server.stop()
     assert r.returncode == 0, r.stderr[-2000:]
+    assert code == 0
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["url"] == server.url and result["requests"] == 2
     assert result["cached_share"] > 0  # the second question (one client) found the document
@@ -513,10 +517,11 @@ def test_bench_throughput_against_transformers(tiny_models):
     every token, the long prompt's second run is a local prefix hit."""
     r = shoal("bench", "throughput", "--model", str(tiny_models["gqa_tied"]), "--num-prompts",
               "3", "--max-tokens", "5", "--prompt-len", "20", "--rounds", "2", "--device", "cpu",
-              "--dtype", "float32", "--enforce-eager")
+              "--dtype", "bfloat16", "--enforce-eager")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["bench"] == "throughput" and result["rounds"] == 2
+    assert result["dtype"] == "torch.bfloat16" and result["enforce_eager"] is True
     assert result["shoal_tokens_per_s"] > 0 and result["transformers_tokens_per_s"] > 0
     # the long prompt fits the tiny model's 1024-token context
     assert result["prefix_hit_tokens"] > 0 and result["long_prompt_tokens"] == 1023

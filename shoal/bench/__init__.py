@@ -94,7 +94,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from shoal.bench.ttft import run_ttft, run_ttft_dp
         if args.dp > 1:
             given = [flag for flag, on in (("--tp", args.tp != 1), ("--pool", args.pool),
-                                           ("--pool-read-gbps", args.pool_read_gbps),
+                                           ("--pool-read-gbps", args.pool_read_gbps is not None),
                                            ("--skip-load-only", args.skip_load_only),
                                            ("--source", args.source != "files")) if on]
             if given:

@@ -25,16 +25,18 @@ CPU_TIER_BYTES = 1 << 30  # --source tier on a CPU (a GPU's default tier is larg
 
 def _prompt(llm: LLM, num_tokens: int, question: str = " Question: what must the tenant do?"
             ) -> list[int]:
-    """A shared body, then 16 tokens of `question` (random ids, fixed by the text, for a
-    checkpoint with no tokenizer)."""
+    """`num_tokens` tokens: a shared body, then up to 16 of `question` (at most half; random
+    ids, fixed by the text, for a checkpoint with no tokenizer)."""
+    asked = min(16, num_tokens // 2)
     if llm.config.model.startswith("random:"):
         def ids(n: int, seed: int) -> list[int]:
             gen = torch.Generator().manual_seed(seed)
             return torch.randint(3, llm.engine.info.vocab_size, (n,), generator=gen).tolist()
-        return ids(num_tokens - 16, 0) + ids(16, zlib.crc32(question.encode()))
+        return ids(num_tokens - asked, 0) + ids(asked, zlib.crc32(question.encode()))
     text = " ".join(f"Clause {i}: the tenant keeps the harbor gate closed after dark."
-                    for i in range(num_tokens // 8))
-    return llm.tokenizer.encode(text)[:num_tokens - 16] + llm.tokenizer.encode(question)[:16]
+                    for i in range(num_tokens // 8 + 1))
+    tail = llm.tokenizer.encode(question)[:asked]
+    return llm.tokenizer.encode(text)[:num_tokens - len(tail)] + tail
 
 
 @contextlib.contextmanager
