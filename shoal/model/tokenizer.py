@@ -21,10 +21,10 @@ class Tokenizer:
         self._dir, self._gguf_file, self._checksum = tokenizer_dir, gguf_file, checksum
         self._loaded = None
         self._error: str | None = None  # why it could not be loaded
-        # held by calls through the transformers wrapper where it may change the Rust
-        # tokenizer's settings (its encode sets truncation and padding per call: another
-        # thread's call then fails with "Already borrowed"); callers may take it too
-        self.lock = threading.Lock()
+        # held by an encode through the transformers wrapper (a tokenizer with no Rust side);
+        # every other call may run on many threads at once: the Rust side's settings are
+        # fixed at load (`_tok`) and its decode only reads
+        self._lock = threading.Lock()
 
     @property
     def _tok(self):
@@ -103,10 +103,10 @@ class Tokenizer:
         """Token ids of `text`, as the HF tokenizer's encode gives them. Through the Rust
         tokenizer's batch call: that lets go of the GIL and changes no setting, so threads
         tokenize at once (a server's requests: an 8k-token prompt takes ~5-10 ms). A
-        tokenizer with no Rust side goes through the wrapper under `lock`."""
+        tokenizer with no Rust side goes through the wrapper, one call at a time."""
         tok = self._tok
         rust = getattr(tok, "backend_tokenizer", None)
         if rust is None:
-            with self.lock:
+            with self._lock:
                 return tok.encode(text, add_special_tokens=add_special_tokens)
         return rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

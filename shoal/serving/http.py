@@ -148,8 +148,7 @@ class OpenAIServer:
                               "tokens")
 
         def decode() -> str:
-            with self.llm.tokenizer.lock:
-                return self.llm.tokenizer.decode(list(body.tokens))
+            return self.llm.tokenizer.decode(list(body.tokens))
         loop = asyncio.get_running_loop()
         try:
             return {"prompt": await loop.run_in_executor(self._submitter, decode)}
@@ -316,9 +315,8 @@ class OpenAIServer:
         """(worker thread) Each prompt as text: as given, or its token ids decoded."""
         if not self.llm.tokenizer.is_available:
             return [p if isinstance(p, str) else "" for p in prompts]
-        with self.llm.tokenizer.lock:
-            return [p if isinstance(p, str) else self.llm.tokenizer.decode(list(p))
-                    for p in prompts]
+        return [p if isinstance(p, str) else self.llm.tokenizer.decode(list(p))
+                for p in prompts]
 
     def _refuse_certainly_too_long(self, prompt, param: str) -> None:
         """A text with more UTF-8 bytes than max_request_len tokens of the longest token
