@@ -56,8 +56,9 @@ def pin_rates(llm: LLM, prefill: float, load: float, latency: float = 0.0) -> No
     p.observe_prefill = p.observe_load = p.observe_front = lambda *a, **k: None
     p.front_slowdown.value = p.load_slowdown.value = None  # (as a rates file may restore)
     # nor the load in flight: its own rate (landed / waited) is not taken for L either
-    p._load_rate = lambda num_landed, waited, host_share, num_pending: (
-        load, max(latency - (waited or 0.0), 0.0), 1.0)
+    p._load_rate = lambda num_landed, waited, host_share, num_pending, ahead=0: (
+        load, max(latency - (waited or 0.0), 0.0) + (ahead / load if waited is None else 0.0),
+        1.0)
 
 
 def block_key(llm: LLM, prompt: list[int], i: int) -> bytes:
@@ -149,6 +150,39 @@ def test_a_store_faster_than_computing_is_read_whole(tiny_model, prompt, baselin
     assert out.token_ids == baseline
     assert out.pool_hit.decision == "load" and out.num_connector_tokens == 40
     assert out.pool_hit.num_front_tokens == 0 and s["pool_hits_loaded"] == 1
+
+
+def test_loads_waiting_their_turn_are_not_taken_for_a_dead_slow_store(tiny_model, tmp_path):
+    """Three pooled documents hit at once in a fresh engine that knows no load rate (the
+    first touches after a restart): the store (one I/O thread, paced) serves the loads in
+    turn. A load waiting for its turn has landed nothing, and so once looked dead slow:
+    past UNKNOWN_LOAD_WAIT of the hit's compute time its front computed the whole hit. Its
+    wait counts from its turn now: every hit is loaded, and the rates it teaches are the
+    store's, not the queue's."""
+    prompts = random_prompts(512, [42, 42, 42], seed=12)
+    root = tmp_path / "pool"
+    with LLM(tiny_model, kv_pool=str(root), **KW) as llm:
+        baseline = [o.token_ids for o in llm.generate(prompts, SP)]
+        assert llm.stats()["blocks_saved"] == 30
+    cfg = ConnectorConfig(name="fs", options={
+        "root": str(root), "io_threads": 1, "max_read_gbps": BLOCK_NBYTES / PER_BLOCK_S / 1e9})
+    with LLM(tiny_model, kv_connector=cfg, **KW) as llm:
+        p = llm.engine.transfers.planner
+        assert p.load_tps.value is None and p.load_latency_s.value is None
+        # computing a hit (40 tokens) takes 2 s: a front waits 0.1 s for a first block, and
+        # a load takes 0.2 s (10 blocks), so the second and third wait longer for their turn
+        p.prefill_tps.value, p.prefill_overhead_s, p.prefill_launch_s = 20.0, 0.0, 0.0
+        p.observe_prefill = p.observe_front = lambda *a, **k: None
+        outs = llm.generate(prompts, SP)
+        llm.check_integrity()
+        s = llm.stats()
+    assert [o.token_ids for o in outs] == baseline
+    for o in outs:  # (once a rate is known the planner may give a block to the front)
+        assert o.pool_hit.num_loaded_tokens >= 36 and o.num_connector_tokens >= 36
+    assert s["pool_hits_loaded"] == 3
+    # a first block after about PER_BLOCK_S from each load's turn (from their admission:
+    # 0.02, 0.22 and 0.42 s, averaged to about 0.27)
+    assert s["load_latency_s"] < 4 * PER_BLOCK_S
 
 
 def test_units_landing_out_of_order_are_all_used(tiny_model, prompt, baseline, pool):

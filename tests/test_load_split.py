@@ -298,6 +298,20 @@ def test_no_word_from_a_first_load_is_waited_for_only_so_long():
     assert step.num_tokens == 1024 and step.drop_to == 64
 
 
+def test_a_load_waiting_its_turn_is_not_taken_for_slow():
+    """A load whose turn has not come (started None: the loads before it still bring in
+    their blocks) has landed nothing however long it waits: with no rate known its front
+    waits for the turn; with one known, the tokens ahead are its latency."""
+    p = planner(prefill=1000.0)
+    assert p.front_step(0, 64, 64, started=None, now=10.0, ahead=8192).num_tokens == 0
+    q = planner(prefill=100_000.0, load=100_000.0)
+    alone = q.admit(0, 512)
+    assert q.front_step(0, 512, 512, None, 0.0, ahead=0) == alone.first
+    behind = q.admit(0, 512, ahead=4096)  # 41 ms before it starts: the front takes more
+    assert behind.first.num_tokens > alone.first.num_tokens and behind.load_from > 256
+    assert q.admit(0, 512, ahead=10 ** 6).load_from == 512  # 10 s behind: computed
+
+
 def test_a_load_that_landed_nothing_bounds_an_unknown_rate():
     p = planner(prefill=1000.0)
     p.observe_load(0, 0.5, None)  # not a block in 0.5 s: at most 32 tokens/s

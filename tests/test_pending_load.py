@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.connectors.base import LoadProgress
-from shoal.engine.pending_load import PendingLoad
+from shoal.engine.pending_load import PendingLoad, start_turns, tokens_ahead
 from shoal.request import PoolHit
 
 BS = 4
@@ -51,7 +51,35 @@ def test_without_the_worker_s_times_the_polls_count():
     p = load()
     p.take_progress(LoadProgress(7, 9), BS)
     assert p.first_landed is not None and p.last_landed is None
-    assert p.measured(28)[1] >= p.first_landed - p.started
+    assert p.measured(28)[1] >= p.first_landed - p.admitted
+
+
+def test_a_load_is_timed_from_its_turn():
+    """The store serves an engine's loads in turn: the second load starts once the first
+    has nothing left to bring in (landed or dropped), and is timed from then, not from its
+    admission (its wait in the queue is not the store's latency)."""
+    first, second = load(), load()
+    first.admitted = second.admitted = 100.0
+    loads = [first, second]
+    assert start_turns(loads, 100.0, BS) == 80  # ten blocks each, none landed
+    assert (first.started, second.started) == (100.0, None)
+    assert tokens_ahead(loads, second, BS) == 40 and tokens_ahead(loads, first, BS) == 0
+    first.take_progress(LoadProgress(0, 4, first_landed_at=100.01, last_landed_at=100.05), BS)
+    first.dropped_to = 4  # the rest landed, the front took blocks 0-3
+    assert start_turns(loads, 100.2, BS) == 40 and second.started == 100.2
+    second.take_progress(LoadProgress(0, 0, first_landed_at=100.21, last_landed_at=100.4), BS)
+    tokens, seconds, latency, _, _ = second.measured(0)
+    assert tokens == 40 and seconds == pytest.approx(0.2) and latency == pytest.approx(0.01)
+    cancelled = load()
+    cancelled.is_cancelled = True  # it lands nothing for anyone: the next goes on
+    assert cancelled.queued_tokens(BS) == 0
+
+
+def test_a_load_that_landed_before_its_turn_was_seen_is_timed_from_its_first_block():
+    p = load()
+    p.admitted, p.started = 100.0, 100.3  # (the turn seen at a poll after a long forward)
+    p.take_progress(LoadProgress(0, 0, first_landed_at=100.25, last_landed_at=100.35), BS)
+    assert p.measured(0)[1:3] == (pytest.approx(0.1), 0.0)
 
 
 def test_the_front_is_busy_only_while_its_chunks_are_in_flight():

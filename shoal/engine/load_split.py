@@ -224,28 +224,32 @@ class LoadPlanner:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def admit(self, first: int, end: int, host_share: float = 0.0) -> LoadDecision:
+    def admit(self, first: int, end: int, host_share: float = 0.0, ahead: int = 0
+              ) -> LoadDecision:
         """A hit of blocks [first, end) of a request that can compute while loading,
-        `host_share` of it expected from host memory."""
-        decision = self._admit(first, end, host_share)
+        `host_share` of it expected from host memory; its load starts once the loads before
+        it brought in their `ahead` tokens (a store serves an engine's loads in turn)."""
+        decision = self._admit(first, end, host_share, ahead)
         if decision.first is None or not decision.first.num_tokens:
             # not split: what a split would cost is not measured again by this hit
             for ratio in (r for r in (self.front_slowdown, self.load_slowdown) if r.value):
                 ratio.value = 1 + (1 - SLOWDOWN_DECAY) * (ratio.value - 1)
         return decision
 
-    def _admit(self, first: int, end: int, host_share: float) -> LoadDecision:
+    def _admit(self, first: int, end: int, host_share: float, ahead: int) -> LoadDecision:
         front, remaining = first * self.block_size, (end - first) * self.block_size
-        step = self.front_step(front, end, end, None, 0.0, host_share)
+        step = self.front_step(front, end, end, None, 0.0, host_share, ahead=ahead)
         if step.drop_to >= end:  # computing it all is faster: nothing is loaded
             return LoadDecision(end, None)
-        C, rate = self.prefill_tps.value, self.expected_rate(host_share)
+        C, rate = self.prefill_tps.value, self._load_rate(0, None, host_share, remaining, ahead)
         # a hit that loads takes one more forward (the prompt's rest, after the landed blocks)
         # than computing it all: the load must save more than that forward's fixed cost
         share = max(step.drop_to * self.block_size - front, 0)  # (the first step may have fewer)
-        if C is not None and rate is not None and self.work(front, remaining) / C < self._ends(
-                front, share, remaining, *rate, 0, self.load_slowdown.factor):
-            return LoadDecision(end, None)
+        if C is not None and rate is not None:
+            L, latency, g = rate
+            if self.work(front, remaining) / C < self._ends(front, share, remaining, L, latency,
+                                                            0, g):
+                return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
 
     def _ends(self, front: int, x: int, remaining: int, L: float,
@@ -258,20 +262,22 @@ class LoadPlanner:
 
     def front_step(self, front: int, landed_from: int, end: int,
                    started: float | None, now: float, host_share: float = 0.0,
-                   busy: float = 0.0) -> FrontStep:
+                   busy: float = 0.0, ahead: int = 0) -> FrontStep:
         """The front at token `front` of a hit ending at block `end`; the load has landed
-        the blocks from `landed_from` on; it started at `started` (None: not yet);
-        `host_share` of the hit is expected from host memory; `busy`: seconds the front's
-        forwards already launched still take (PendingLoad.front_busy)."""
+        the blocks from `landed_from` on; it started at `started` (None: not yet: it starts
+        once the loads before it brought in their `ahead` tokens); `host_share` of the hit
+        is expected from host memory; `busy`: seconds the front's forwards already launched
+        still take (PendingLoad.front_busy)."""
         bs = self.block_size
         C = self.prefill_tps.value
         remaining = landed_from * bs - front  # tokens between the front and the landed blocks
         if C is None or remaining <= 0:  # the prefill rate is unknown: the load goes on
             return FrontStep(0, 0)
         rate = self._load_rate((end - landed_from) * bs, None if started is None else now - started,
-                               host_share, remaining)
+                               host_share, remaining, ahead)
         if rate is None:  # nothing known of the load yet: the front waits for a first word,
-            # but not long (a dead-slow store must not make the hit much slower than computing)
+            # but not long once its turn came (a dead-slow store must not make the hit much
+            # slower than computing; a store busy with the loads before it is not slow)
             if (started is not None
                     and now - started >= UNKNOWN_LOAD_WAIT * self.work(front, remaining) / C):
                 return FrontStep(min(remaining, self.max_num_tokens), landed_from)
@@ -325,11 +331,13 @@ class LoadPlanner:
                 "load_latency_s": expected[1] if expected else 0.0}
 
     def _load_rate(self, num_landed: int, waited: float | None, host_share: float,
-                   num_pending: int) -> tuple[float, float, float] | None:
+                   num_pending: int, ahead: int = 0) -> tuple[float, float, float] | None:
         """(tokens/s, seconds before the first block lands, slowdown beside a front) of the
-        load from here (None: nothing known). Before it has landed something: earlier loads'
-        rates, but no faster than all its `num_pending` tokens in the time it is overdue (a
-        slower store must not keep the front waiting; a load may land all at once). Then its
+        load from here (None: nothing known). Not started (`waited` None): earlier loads'
+        rates, its first block after the `ahead` tokens of the loads before it. Before it has
+        landed something: earlier loads' rates, but no faster than all its `num_pending`
+        tokens in the time it is overdue (a slower store must not keep the front waiting; a
+        load may land all at once). Then its
         own rate, counted from when a first block was due (else it would mostly measure the
         latency); it replaces earlier loads' once a few blocks landed, or sooner if far slower
         for long enough (the first blocks come while the reads ramp up)."""
@@ -346,8 +354,10 @@ class LoadPlanner:
         if expected is None:
             return None
         L, F = expected
-        overdue = (waited or 0.0) - F
         g = self.load_slowdown.factor
+        if waited is None:
+            return L, F + ahead / L, g
+        overdue = waited - F
         if overdue > 0:  # later than the latency, and no own rate to go by yet
             return min(L, num_pending / overdue), 0.0, g
         return L, -overdue, g
