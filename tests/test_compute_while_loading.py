@@ -177,11 +177,12 @@ def test_loads_waiting_their_turn_are_not_taken_for_a_dead_slow_store(tiny_model
         llm.check_integrity()
         s = llm.stats()
     assert [o.token_ids for o in outs] == baseline
-    for o in outs:  # (once a rate is known the planner may give a block to the front)
-        assert o.pool_hit.num_loaded_tokens >= 36 and o.num_connector_tokens >= 36
+    for o in outs:  # (once a load's own rate is known, the planner may give the front a
+        # few blocks: under a busy CPU up to 2; before, the second document loaded none)
+        assert o.pool_hit.num_loaded_tokens >= 20 and o.num_connector_tokens >= 20
     assert s["pool_hits_loaded"] == 3
-    # a first block after about PER_BLOCK_S from each load's turn (from their admission:
-    # 0.02, 0.22 and 0.42 s, averaged to about 0.27)
+    # a first block after about PER_BLOCK_S from when the store began each load (from their
+    # admission: 0.02, 0.22 and 0.42 s, averaged to about 0.27)
     assert s["load_latency_s"] < 4 * PER_BLOCK_S
 
 

@@ -106,15 +106,20 @@ def test_a_failed_block_of_a_unit_copied_whole_is_the_load_s_even_below_a_drop()
 
 def test_progress_says_when_blocks_landed():
     """The first block's landing time stays; the latest moves on (the engine measures a
-    load by them, not by its polls, which a forward running meanwhile delays)."""
+    load by them, not by its polls, which a forward running meanwhile delays); the start
+    is when an I/O task first took a unit (a load waiting behind others starts late)."""
     q = LoadQueue(units([9, 8], [7, 6]))
     assert q.progress().first_landed_at is None and q.progress().last_landed_at is None
+    assert q.progress().started_at is None
     before = time.monotonic()
-    q.done(q.pop())
+    unit = q.pop()
+    started = q.progress().started_at
+    assert before <= started <= time.monotonic()
+    q.done(unit)
     first = q.progress()
-    assert before <= first.first_landed_at == first.last_landed_at <= time.monotonic()
+    assert started <= first.first_landed_at == first.last_landed_at <= time.monotonic()
     q.done(q.pop())
     last = q.progress()
-    assert last.first_landed_at == first.first_landed_at
+    assert last.first_landed_at == first.first_landed_at and last.started_at == started
     assert first.last_landed_at <= last.last_landed_at <= time.monotonic()
     assert last == LoadProgress(writes_from=6, landed_from=6)  # (times aside)

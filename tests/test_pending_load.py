@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.connectors.base import LoadProgress
-from shoal.engine.pending_load import PendingLoad, start_turns, tokens_ahead
+from shoal.engine.pending_load import PendingLoad, num_tokens_ahead, start_turns
 from shoal.request import PoolHit
 
 BS = 4
@@ -63,23 +63,43 @@ def test_a_load_is_timed_from_its_turn():
     loads = [first, second]
     assert start_turns(loads, 100.0, BS) == 80  # ten blocks each, none landed
     assert (first.started, second.started) == (100.0, None)
-    assert tokens_ahead(loads, second, BS) == 40 and tokens_ahead(loads, first, BS) == 0
+    assert num_tokens_ahead(loads, second, BS) == 40 and num_tokens_ahead(loads, first, BS) == 0
     first.take_progress(LoadProgress(0, 4, first_landed_at=100.01, last_landed_at=100.05), BS)
     first.dropped_to = 4  # the rest landed, the front took blocks 0-3
     assert start_turns(loads, 100.2, BS) == 40 and second.started == 100.2
     second.take_progress(LoadProgress(0, 0, first_landed_at=100.21, last_landed_at=100.4), BS)
     tokens, seconds, latency, _, _ = second.measured(0)
     assert tokens == 40 and seconds == pytest.approx(0.2) and latency == pytest.approx(0.01)
-    cancelled = load()
-    cancelled.is_cancelled = True  # it lands nothing for anyone: the next goes on
-    assert cancelled.queued_tokens(BS) == 0
 
 
-def test_a_load_that_landed_before_its_turn_was_seen_is_timed_from_its_first_block():
+def test_the_worker_s_start_of_a_load_behind_others_times_it():
+    """The worker says when it began a load (an I/O thread took its first unit): a load
+    admitted behind others is timed from then, whenever the engine saw its turn; a turn the
+    engine saw only after the load's first block landed (no word from the worker) says
+    nothing of the store: the load is timed from its admission, as a load alone is."""
     p = load()
-    p.admitted, p.started = 100.0, 100.3  # (the turn seen at a poll after a long forward)
-    p.take_progress(LoadProgress(0, 0, first_landed_at=100.25, last_landed_at=100.35), BS)
-    assert p.measured(0)[1:3] == (pytest.approx(0.1), 0.0)
+    p.admitted, p.behind = 100.0, True
+    start_turns([p], 100.3, BS)  # (the engine's view: at a poll after a long forward)
+    p.take_progress(LoadProgress(0, 9, first_landed_at=100.25, last_landed_at=100.25,
+                                 started_at=100.22), BS)
+    assert p.started == 100.22
+    p.take_progress(LoadProgress(0, 0, first_landed_at=100.25, last_landed_at=100.32), BS)
+    assert p.measured(0)[1:3] == (pytest.approx(0.1), pytest.approx(0.03))
+    q = load()
+    q.admitted, q.behind = 100.0, True
+    start_turns([q], 100.3, BS)
+    q.take_progress(LoadProgress(0, 0, first_landed_at=100.25, last_landed_at=100.25), BS)
+    assert q.measured(0)[1:3] == (pytest.approx(0.25), pytest.approx(0.25))
+
+
+def test_a_cancelled_load_queues_the_next_until_its_blocks_are_dropped():
+    """A cancelled partial load drops what it has not landed (KVTransfers.defer_cancel): the
+    next one's turn comes; one loaded whole keeps loading, and the next waits for it."""
+    p = load()
+    p.is_cancelled = True
+    assert p.num_queued_tokens(BS) == 40
+    p.dropped_to = p.landed_from
+    assert p.num_queued_tokens(BS) == 0
 
 
 def test_the_front_is_busy_only_while_its_chunks_are_in_flight():

@@ -129,6 +129,9 @@ class LoadProgress:
     # forward running meanwhile delays); not part of equality
     first_landed_at: float | None = field(default=None, compare=False)
     last_landed_at: float | None = field(default=None, compare=False)
+    # when the worker began the load (an I/O thread took its first unit; a store serving
+    # loads in turn begins a load queued behind others later than it was asked)
+    started_at: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,8 @@ class LoadPlanner:
         the store's rate, a slowed load makes loading whole look slower than it is). A load
         that landed nothing bounds its source's rate by a block in `seconds` (beside a front,
         g times that), else no engine would learn the rate of a dead-slow store."""
+        if seconds <= 0:  # (times that say nothing)
+            return
         g = self.load_slowdown.factor if split else 1.0
         if num_tokens <= 0:
             rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps

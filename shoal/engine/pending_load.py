@@ -31,10 +31,11 @@ class PendingLoad:
     writes_from: int  # the load may write blocks from here on (agreed over TP ranks)
     landed_from: int  # every block from here to the end of the hit has landed
     dropped_to: int  # blocks below this index were dropped from the load (or never in it)
-    admitted: float = field(default_factory=time.monotonic)
-    # when its turn came: the store serves an engine's loads in turn (None: loads admitted
-    # before it still have blocks to bring in; `start_turns`)
+    admitted: float = field(default_factory=time.monotonic)  # (time.monotonic)
+    # when the store began it: the store serves an engine's loads in turn (None: loads
+    # admitted before it still have blocks to bring in; `start_turns`)
     started: float | None = None
+    behind: bool = False  # admitted behind other loads: the worker's start, where it says
     first_tokens: int = 0  # the front's share in the admission step
     front_in_flight: int = 0  # the front's chunks scheduled, their steps not applied yet
     is_planned: bool = False  # its loads went out in a plan (drops reach the worker now)
@@ -72,16 +73,17 @@ class PendingLoad:
         step while the last one runs: the front's next share computes after them)."""
         return max(self.front_busy_until - now, 0.0) if self.front_in_flight else 0.0
 
-    def queued_tokens(self, block_size: int) -> int:
+    def num_queued_tokens(self, block_size: int) -> int:
         """Tokens the load has still to bring in (neither landed nor dropped)."""
-        return 0 if self.is_cancelled else max(self.landed_from - self.dropped_to, 0) * block_size
+        return max(self.landed_from - self.dropped_to, 0) * block_size
 
     def measured(self, start: int) -> tuple[int, float, float | None, float, bool]:
         """The finished load as LoadPlanner.observe_load takes it (tokens from `start` on),
-        timed from its turn (from its admission if it landed before its turn came)."""
+        timed from when the store began it (from its admission where that is not known: a
+        turn the engine saw after the load's first block landed)."""
         began = self.admitted if self.started is None else self.started
-        if self.first_landed is not None:  # (a turn seen late: its first block landed sooner)
-            began = min(began, self.first_landed)
+        if self.first_landed is not None and self.first_landed < began:
+            began = self.admitted
         first = None if self.first_landed is None else self.first_landed - began
         end = self.last_landed if self.last_landed is not None else time.monotonic()
         return (self.end_token - start, end - began, first, self.host_share,
@@ -117,6 +119,8 @@ class PendingLoad:
             elif self.first_landed is None:
                 self.first_landed = time.monotonic()
             self.last_landed = progress.last_landed_at
+        if self.behind and progress.started_at is not None:  # (the worker knows best)
+            self.started = progress.started_at
 
     def brings_in(self, i: int, key: bytes, block_size: int) -> bool:
         """Block i of the hit, keyed `key` (the same tokens up to its end), is this load's
@@ -133,23 +137,23 @@ class PendingLoad:
 
 def start_turns(loads: Iterable[PendingLoad], at: float, block_size: int) -> int:
     """Pending loads in the order they were admitted: the first of those not started whose
-    loads before it have nothing left to bring in starts at `at`. Returns the tokens the
-    loads still bring in."""
+    loads before it have nothing left to bring in starts at `at` (as the engine sees it;
+    the worker's word replaces it). Returns the tokens the loads still bring in."""
     ahead = 0
     for load in loads:
         if load.started is None and not ahead:
-            load.started = at
-        ahead += load.queued_tokens(block_size)
+            load.started = max(at, load.admitted)
+        ahead += load.num_queued_tokens(block_size)
     return ahead
 
 
-def tokens_ahead(loads: Iterable[PendingLoad], load: PendingLoad, block_size: int) -> int:
+def num_tokens_ahead(loads: Iterable[PendingLoad], load: PendingLoad, block_size: int) -> int:
     """Tokens the loads admitted before `load` still bring in."""
     ahead = 0
     for other in loads:
         if other is load:
             return ahead
-        ahead += other.queued_tokens(block_size)
+        ahead += other.num_queued_tokens(block_size)
     return ahead
 
 

@@ -141,7 +141,7 @@ class TransferPoller:
                 if landed != NO_FAILURE:  # this rank's landing times where its word is the
                     # agreed one (TP: a rank behind it landed later)
                     mine = self._progress.get(rid)
-                    times = ((mine.first_landed_at, mine.last_landed_at)
+                    times = ((mine.first_landed_at, mine.last_landed_at, mine.started_at)
                              if mine is not None and mine.landed_from == landed else ())
                     report.progress[rid] = LoadProgress(agreed[at + i], landed, *times)
         for rid, done in zip(saves, agreed):

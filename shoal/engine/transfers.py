@@ -14,7 +14,6 @@ and "Deadlines, cancellation and the failure policy".
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, TypeVar
 
@@ -24,8 +23,8 @@ from shoal.engine.connector_calls import ConnectorCalls, request_view
 from shoal.engine.deadlines import Deadlines
 from shoal.engine.load_split import LoadPlanner
 from shoal.engine.peers import Agreement
-from shoal.engine.pending_load import (HIT_COUNTERS, LandedLoad, PendingLoad, start_turns,
-                                       tokens_ahead)
+from shoal.engine.pending_load import (HIT_COUNTERS, LandedLoad, PendingLoad,
+                                       num_tokens_ahead, start_turns)
 from shoal.engine.rates_file import rates_path, restore_rates, save_rates
 from shoal.engine.transfer_poll import TransferOutcome, TransferPlan, TransferPoller, TransferReport
 from shoal.kv.block_pool import BlockPool
@@ -132,7 +131,8 @@ class KVTransfers:
         self._loads[req.request_id] = PendingLoad(req, num_cached, num_external, hit,
                                             self.partial_loads, load_from, end, load_from,
                                             first_tokens=first_tokens, host_share=host_share,
-                                            admitted=now, started=None if ahead else now)
+                                            admitted=now, started=None if ahead else now,
+                                            behind=bool(ahead))
         self._new_loads.append(req)
         self.deadlines.start(req.request_id)
         return True
@@ -163,8 +163,9 @@ class KVTransfers:
             return self._front(load, load.first_tokens, front, limit)
         end = load.end_block(self.ctx.block_size)
         now = time.monotonic()
-        start_turns(self._loads.values(), now, self.ctx.block_size)
-        ahead = 0 if load.started is not None else tokens_ahead(self._loads.values(), load, self.ctx.block_size)
+        loads = self._loads.values()
+        start_turns(loads, now, self.ctx.block_size)
+        ahead = 0 if load.started else num_tokens_ahead(loads, load, self.ctx.block_size)
         step = self._decide(lambda: self.planner.front_step(
             front, load.landed_from, end, load.started, now, load.host_share,
             busy=load.front_busy(now), ahead=ahead))
@@ -237,12 +238,10 @@ class KVTransfers:
                 before = (load.writes_from, load.landed_from)
                 load.take_progress(progress, self.ctx.block_size)
                 self.num_moves += before != (load.writes_from, load.landed_from)
-        freed = []  # when finished loads landed their last blocks: the next loads' turn
         for rid in sorted(report.finished_loading):
             load = self._end_load(rid)
             if load is None:
                 continue  # reported by an earlier poll already (the overlap loop polls twice)
-            freed.append(min(load.last_landed or math.inf, time.monotonic()))
             start = load.landed_start(self.ctx.block_size)
             self.planner.observe_load(*load.measured(start))  # the load's rates
             num_ok, error, recomputed = load.outcome(start, report.failed_loads.get(rid),
@@ -255,8 +254,6 @@ class KVTransfers:
                 out.ended.append(_ended(load, error))
             else:
                 self._landed[rid] = LandedLoad(start, num_ok, load.num_cached, load.request)
-        if freed:
-            start_turns(self._loads.values(), max(freed), self.ctx.block_size)
         for rid in sorted(report.finished_saving):
             epoch = plan.save_epochs.get(rid)
             if epoch is None or self._save_epochs.get(rid) != epoch:

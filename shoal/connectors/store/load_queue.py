@@ -37,6 +37,7 @@ class LoadQueue:
         self.is_aborted = False  # the units running skip the blocks they have not read
         self.after = after  # what the load's copies wait for (on a GPU: PagedMover.fence)
         self._landed_at: tuple[float, float] | None = None  # (first, latest) block landing
+        self._started_at: float | None = None  # an I/O task first took a unit
 
     def abort(self) -> None:
         self.drop(self.end)
@@ -48,6 +49,8 @@ class LoadQueue:
                 return None
             unit = self._units.popleft()
             self._mark(unit, self.RUNNING)
+            if self._started_at is None:
+                self._started_at = time.monotonic()
             return unit
 
     def wants(self, t: BlockTransfer) -> bool:
@@ -128,7 +131,7 @@ class LoadQueue:
                             if s in (self.QUEUED, self.RUNNING, self.READING)), None)
             writes_from = landed if pending is None else pending
             return LoadProgress(self.first + writes_from, self.first + landed,
-                                *(self._landed_at or (None, None)))
+                                *(self._landed_at or (None, None)), self._started_at)
 
     def first_bad(self, failed) -> int | None:
         """Of the blocks whose reads failed, the first one the finished load counts as
