@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.connectors.base import LoadProgress
-from shoal.engine.pending_load import PendingLoad, num_tokens_ahead, start_turns
+from shoal.engine.pending_load import PendingLoad, start_turns
 from shoal.request import PoolHit
 
 BS = 4
@@ -63,7 +63,8 @@ def test_a_load_is_timed_from_its_turn():
     loads = [first, second]
     assert start_turns(loads, 100.0, BS) == 80  # ten blocks each, none landed
     assert (first.started, second.started) == (100.0, None)
-    assert num_tokens_ahead(loads, second, BS) == 40 and num_tokens_ahead(loads, first, BS) == 0
+    assert start_turns(loads, 100.0, BS, before=second) == 40
+    assert start_turns(loads, 100.0, BS, before=first) == 0
     first.take_progress(LoadProgress(0, 4, first_landed_at=100.01, last_landed_at=100.05), BS)
     first.dropped_to = 4  # the rest landed, the front took blocks 0-3
     assert start_turns(loads, 100.2, BS) == 40 and second.started == 100.2

@@ -135,26 +135,20 @@ class PendingLoad:
         return min(self.landed_from * block_size, self.num_cached + self.num_external)
 
 
-def start_turns(loads: Iterable[PendingLoad], at: float, block_size: int) -> int:
+def start_turns(loads: Iterable[PendingLoad], at: float, block_size: int,
+                before: PendingLoad | None = None) -> int:
     """Pending loads in the order they were admitted: the first of those not started whose
     loads before it have nothing left to bring in starts at `at` (as the engine sees it;
-    the worker's word replaces it). Returns the tokens the loads still bring in."""
-    ahead = 0
+    the worker's word replaces it). Returns the tokens the loads before `before` (all of
+    them: None) still bring in."""
+    ahead, ahead_of_before = 0, None
     for load in loads:
+        if load is before:
+            ahead_of_before = ahead
         if load.started is None and not ahead:
             load.started = max(at, load.admitted)
         ahead += load.num_queued_tokens(block_size)
-    return ahead
-
-
-def num_tokens_ahead(loads: Iterable[PendingLoad], load: PendingLoad, block_size: int) -> int:
-    """Tokens the loads admitted before `load` still bring in."""
-    ahead = 0
-    for other in loads:
-        if other is load:
-            return ahead
-        ahead += other.num_queued_tokens(block_size)
-    return ahead
+    return ahead if ahead_of_before is None else ahead_of_before
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,7 @@ from shoal.engine.connector_calls import ConnectorCalls, request_view
 from shoal.engine.deadlines import Deadlines
 from shoal.engine.load_split import LoadPlanner
 from shoal.engine.peers import Agreement
-from shoal.engine.pending_load import (HIT_COUNTERS, LandedLoad, PendingLoad,
-                                       num_tokens_ahead, start_turns)
+from shoal.engine.pending_load import HIT_COUNTERS, LandedLoad, PendingLoad, start_turns
 from shoal.engine.rates_file import rates_path, restore_rates, save_rates
 from shoal.engine.transfer_poll import TransferOutcome, TransferPlan, TransferPoller, TransferReport
 from shoal.kv.block_pool import BlockPool
@@ -163,9 +162,7 @@ class KVTransfers:
             return self._front(load, load.first_tokens, front, limit)
         end = load.end_block(self.ctx.block_size)
         now = time.monotonic()
-        loads = self._loads.values()
-        start_turns(loads, now, self.ctx.block_size)
-        ahead = 0 if load.started else num_tokens_ahead(loads, load, self.ctx.block_size)
+        ahead = start_turns(self._loads.values(), now, self.ctx.block_size, before=load)
         step = self._decide(lambda: self.planner.front_step(
             front, load.landed_from, end, load.started, now, load.host_share,
             busy=load.front_busy(now), ahead=ahead))
