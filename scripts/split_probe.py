@@ -5,6 +5,8 @@ decision (admission and the front's steps) and each load progress poll.
     [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] [GATE=S] [BLOCKING=0] PYTHONPATH=$PWD \
         python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
+IO_TRACE=1: each load unit's time on its I/O thread, split into reading files, launching
+copies (with the gate's wait) and waiting for them.
 POLL: the engine's longest wait while it only waits for loads (engine.IDLE_WAIT_SECONDS); SWITCH:
 `sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
 from I/O); WHOLE=N: only N engines that load whole (no split); GATE: the longest a chunk
@@ -138,12 +140,46 @@ import shoal.engine.engine as engine_module  # noqa: E402
 engine_module.IDLE_WAIT_SECONDS = float(os.environ.get("POLL", engine_module.IDLE_WAIT_SECONDS))
 if "SWITCH" in os.environ:
     sys.setswitchinterval(float(os.environ["SWITCH"]))
+if os.environ.get("IO_TRACE"):  # where an I/O thread's time goes, unit by unit
+    import threading
+    from shoal.connectors.store.paged_io import PagedMover
+    io_local = threading.local()
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = getattr(io_local, "spent", None)
+                if spent is not None:
+                    spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+    for name in ("_copy_in", "_finish"):
+        setattr(PagedMover, name, timed(name, getattr(PagedMover, name)))
+    original_load = PagedMover.load
+
+    def traced_load(self, keys, block_ids, read, corrupt, after=None):
+        io_local.spent = {}
+        start = time.perf_counter()
+        try:
+            return original_load(self, keys, block_ids, timed("read", read), corrupt, after)
+        finally:
+            spent, io_local.spent = io_local.spent, None
+            if tracing:
+                parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in spent.items())
+                events.append((start, f"unit of {len(keys)} blocks on "
+                                      f"{threading.current_thread().name}: "
+                                      f"{(time.perf_counter() - start) * 1e3:.1f} ms ({parts})"))
+    PagedMover.load = traced_load
 paged_io.LAUNCH_WAIT_S = float(os.environ.get("GATE", paged_io.LAUNCH_WAIT_S))
 paged_io.BLOCKING_WAITS = os.environ.get("BLOCKING", "1") != "0"
 modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])
          if "WHOLE" in os.environ else
          (("load whole", dict(compute_while_loading=False)), ("split", {}), ("split again", {})))
 options = {"io_threads": int(os.environ["IO_THREADS"])} if "IO_THREADS" in os.environ else {}
+if "TIER_BYTES" in os.environ:  # (a CPU run goes through the tier's pages with one)
+    options["host_tier_bytes"] = int(os.environ["TIER_BYTES"])
 with bench_pool(None, **options) as connector:
     with LLM(model, kv_connector=connector(), **kw) as llm:
         prompt = _prompt(llm, n)
