@@ -2,6 +2,9 @@
 the checksum alone (run on a GPU machine to size the load path).
 
     PYTHONPATH=$PWD python3 scripts/io_probe.py NUM_FILES FILE_BYTES [DIR]
+
+MODES (comma-separated, default all but procs): raw, ours, dirs, noverify, hash, and procs
+(raw reads by N processes into one shared mapping: the ceiling with no GIL shared).
 """
 import os, sys, time, tempfile, torch, numpy as np
 from pathlib import Path
@@ -35,6 +38,27 @@ def noverify(i):
 def hashonly(i):
     pf.checksum(memoryview(buf[i]))
 MODES = os.environ.get("MODES", "raw,ours,dirs,noverify,hash").split(",")
+if "procs" in MODES:  # processes, each with a GIL of its own, into one shared mapping
+    import mmap
+    import multiprocessing as mp
+    shared = np.frombuffer(mmap.mmap(-1, N * BS, flags=mmap.MAP_SHARED), np.uint8).reshape(N, BS)
+
+    def proc_read(lo_hi):
+        for i in range(*lo_hi):
+            fd = os.open(paths[i], os.O_RDONLY)
+            try:
+                os.preadv(fd, [memoryview(shared[i])], 128)
+            finally:
+                os.close(fd)
+    for procs in THREADS:
+        parts = [(N * k // (4 * procs), N * (k + 1) // (4 * procs)) for k in range(4 * procs)]
+        with mp.get_context("fork").Pool(procs) as pool:
+            pool.map(proc_read, parts)
+            t = time.perf_counter()
+            for _ in range(3):
+                pool.map(proc_read, parts)
+            dt = (time.perf_counter() - t) / 3
+        print(f"procs {procs:2d} procs:   {N*BS/dt/1e9:6.2f} GB/s  {dt/N*1e6:6.1f} us/file", flush=True)
 for name, fn in [(m, f) for m, f in [("raw", raw), ("ours", ours), ("dirs", ours_dirs),
                                      ("noverify", noverify), ("hash", hashonly)] if m in MODES]:
     for threads in THREADS:

@@ -5,7 +5,7 @@ decision (admission and the front's steps) and each load progress poll.
     [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] [GATE=S] [BLOCKING=0] PYTHONPATH=$PWD \
         python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
-IO_TRACE=1: each load unit's time on its I/O thread, split into reading files, launching
+READ_PROCS=N: the fs pool's read_processes; IO_TRACE=1: each load unit's time on its I/O thread, split into reading files, launching
 copies (with the gate's wait) and waiting for them.
 POLL: the engine's longest wait while it only waits for loads (engine.IDLE_WAIT_SECONDS); SWITCH:
 `sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
@@ -159,11 +159,12 @@ if os.environ.get("IO_TRACE"):  # where an I/O thread's time goes, unit by unit
         setattr(PagedMover, name, timed(name, getattr(PagedMover, name)))
     original_load = PagedMover.load
 
-    def traced_load(self, keys, block_ids, read, corrupt, after=None):
+    def traced_load(self, keys, block_ids, read, corrupt, after=None, read_many=None):
         io_local.spent = {}
         start = time.perf_counter()
         try:
-            return original_load(self, keys, block_ids, timed("read", read), corrupt, after)
+            return original_load(self, keys, block_ids, timed("read", read), corrupt, after,
+                                 read_many and timed("read_many", read_many))
         finally:
             spent, io_local.spent = io_local.spent, None
             if tracing:
@@ -178,6 +179,8 @@ modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["
          if "WHOLE" in os.environ else
          (("load whole", dict(compute_while_loading=False)), ("split", {}), ("split again", {})))
 options = {"io_threads": int(os.environ["IO_THREADS"])} if "IO_THREADS" in os.environ else {}
+if "READ_PROCS" in os.environ:  # the fs pool's read processes (0: the I/O threads read)
+    options["read_processes"] = int(os.environ["READ_PROCS"])
 if "TIER_BYTES" in os.environ:  # (a CPU run goes through the tier's pages with one)
     options["host_tier_bytes"] = int(os.environ["TIER_BYTES"])
 with bench_pool(None, **options) as connector:

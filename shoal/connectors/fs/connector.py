@@ -8,6 +8,11 @@ over `FsStore`, a directory of block files. Options: those of every store
 
     root            pool directory (required; created with owner-only permissions)
     max_bytes       optional capacity; the least recently used files are trimmed past it
+    read_processes  processes that read block files into the host tier, each with a GIL
+                    of its own (read_procs.py; default: as many as io_threads with the
+                    KV cache on a GPU, else 0: the I/O threads read). Used where blocks
+                    move through the tier, and not with max_read_gbps (its cap paces the
+                    threads' reads)
 
 A lookup is an lstat per block (a request's run: a binary search for its first miss,
 confirmed by a few probes); a read opens the file
@@ -28,6 +33,7 @@ from typing import Sequence
 from shoal.connectors.base import ConnectorConfig
 from shoal.connectors.fs import format as pf
 from shoal.connectors.fs.admin import trim_pool
+from shoal.connectors.fs.read_procs import ReadProcesses
 from shoal.connectors.store.base import (BlockSpec, BlockStore, PoolOptions, UnitReader,
                                          default_io_threads, parse_pool_options)
 from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
@@ -50,6 +56,7 @@ CONFIRM_PROBES = 8  # blocks inside a run's held prefix checked after the binary
 class FsPoolOptions:
     root: Path  # pool directory (created, owner-only)
     max_bytes: int | None
+    read_processes: int
     shared: PoolOptions
 
 
@@ -57,19 +64,23 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
     """Validate the fs options (ValueError naming the option) and create the pool dirs.
     `device`: where the KV cache lives (the defaults of io_threads and host_tier_bytes)."""
     opts = dict(config.options)
-    shared = parse_pool_options("fs", opts, ("root", "max_bytes"), device)
+    shared = parse_pool_options("fs", opts, ("root", "max_bytes", "read_processes"), device)
     if not opts.get("root"):
         raise ValueError("fs connector: options['root'] (the pool directory) is required")
     cap = opts.get("max_bytes")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
         raise ValueError(f"fs connector: max_bytes must be a positive integer, got {cap!r}")
+    procs = opts.get("read_processes", shared.io_threads if device.startswith("cuda") else 0)
+    if isinstance(procs, bool) or not isinstance(procs, int) or not 0 <= procs <= 64:
+        raise ValueError(f"fs connector: read_processes must be an integer in [0, 64], "
+                         f"got {procs!r}")
     root = Path(opts["root"]).expanduser()
     try:
         pf.ensure_pool_dirs(root)
     except OSError as e:
         raise ValueError(f"fs connector: root (kv_pool) {str(root)!r} cannot be used as a pool "
                          f"directory: {_why_unusable(root, e)}") from None
-    return FsPoolOptions(root, cap, shared)
+    return FsPoolOptions(root, cap, procs, shared)
 
 
 def _why_unusable(root: Path, e: OSError) -> str:
@@ -106,8 +117,10 @@ class FsStore(BlockStore):
     """Block files under `root` (format.py). `max_bytes`: trim the least recently used
     files once a tenth of it has been written since the last trim, and at close."""
 
-    def __init__(self, root: Path, max_bytes: int | None = None):
+    def __init__(self, root: Path, max_bytes: int | None = None, read_processes: int = 0):
         self.root, self.max_bytes = root, max_bytes
+        self.read_processes = read_processes
+        self._readers: ReadProcesses | None = None
         self._root_str = str(root)
         self._dirs = pf.BlockDirs(root)  # blocks/<xx> opened once, not per block
         # refresh a loaded file's mtime (LRU) at most once a minute: a metadata write per
@@ -165,6 +178,20 @@ class FsStore(BlockStore):
     def read_unit(self, keys: Sequence[bytes], spec: BlockSpec) -> UnitReader:
         return _FileReader(self, keys, spec)
 
+    def start_read_processes(self, spec: BlockSpec, tier) -> None:
+        self._readers = ReadProcesses(self.root, spec, tier.fd, tier.slab.numel(),
+                                      self.read_processes, self._touch_after)
+
+    def read_rows(self, keys: list[bytes], first_row: int, verify: bool) -> list | None:
+        if self._readers is None:
+            return None
+        answers = self._readers.read(keys, first_row, verify)
+        if answers is not None:  # (files this process set aside are never used again)
+            for j, key in enumerate(keys):
+                if pf.block_path_str(self._root_str, key) in UNUSABLE_FILES:
+                    answers[j] = BlockMissing(f"{key.hex()}: corrupt and not quarantined")
+        return answers
+
     def write(self, key: bytes, payload: memoryview, spec: BlockSpec) -> bool:
         written = pf.write_block(self.root, spec.namespace, key, payload, spec.shape,
                                  spec.dtype, self._dirs)
@@ -191,6 +218,8 @@ class FsStore(BlockStore):
         log.warning("pool block %s is corrupt (%s): quarantined, recomputing", key.hex(), error)
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.close()
         self._dirs.close()
         if self.max_bytes is not None:
             # while running, the pool may pass max_bytes by what is written between trims
@@ -230,4 +259,4 @@ class FsPoolWorker(StoreWorker):
     @classmethod
     def open_store(cls, config: ConnectorConfig, device: str) -> tuple[BlockStore, PoolOptions]:
         opts = open_pool(config, device)
-        return FsStore(opts.root, opts.max_bytes), opts.shared
+        return FsStore(opts.root, opts.max_bytes, opts.read_processes), opts.shared

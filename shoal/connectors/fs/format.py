@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import xxhash
 
 from shoal.connectors.store.block_format import (  # noqa: F401 (the pool's names)
@@ -72,7 +71,7 @@ def is_block_file(path: str) -> bool:
 # -- blocks ------------------------------------------------------------------------------
 
 def write_block(root: Path, namespace: bytes, key: bytes, payload: memoryview,
-                shape: tuple[int, ...], dtype: torch.dtype, dirs: BlockDirs | None = None) -> bool:
+                shape: tuple[int, ...], dtype, dirs: BlockDirs | None = None) -> bool:
     """Publish one block atomically; False if the key already exists (never overwritten).
     OSError (the temp file removed) if it cannot: also NotADirectoryError if the block's
     directory is a link, NotRegularFile if something else occupies the block's name.
@@ -93,7 +92,7 @@ def write_block(root: Path, namespace: bytes, key: bytes, payload: memoryview,
 
 
 def _write_in(dir_fd: int, namespace: bytes, key: bytes, payload: memoryview,
-              shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+              shape: tuple[int, ...], dtype) -> bool:
     name = f"{key.hex()}.kv"
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -141,7 +140,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
 
 
 def read_block_into(root: Path, namespace: bytes, key: bytes, dest: memoryview,
-                    shape: tuple[int, ...], dtype: torch.dtype,
+                    shape: tuple[int, ...], dtype,
                     touch_after: float | None = None, dirs: BlockDirs | None = None,
                     verify: bool = True) -> int:
     """Read a block's payload straight into `dest` and verify it. Raises BlockMissing (also

@@ -89,6 +89,20 @@ class BlockStore(abc.ABC):
         """The block under `key` failed verification: make sure no reader finds it again
         (moved aside, deleted, or at least never read again by this process)."""
 
+    # processes this store would read blocks with (read_rows), once given a shared tier
+    read_processes = 0
+
+    def start_read_processes(self, spec: BlockSpec, tier) -> None:
+        """Start `read_processes` processes reading into the shared slab of `tier` (a
+        HostTier made with shared=True)."""
+        raise NotImplementedError(f"{type(self).__name__} reads on the I/O threads")
+
+    def read_rows(self, keys: list[bytes], first_row: int, verify: bool) -> list | None:
+        """Read `keys[j]` into slab row `first_row + j` in a read process: per block the
+        header's checksum, or the exception `UnitReader.read_into` would raise; None if no
+        read process runs (the caller reads)."""
+        return None
+
     def warm_up(self, num_threads: int) -> None:
         """Bring-up: get ready for this many I/O threads at once (e.g. open connections),
         so that the first load does not pay for it. Never raises."""

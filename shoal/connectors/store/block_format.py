@@ -22,7 +22,6 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import xxhash
 
 MAGIC = b"SHOALKV\0"
@@ -32,8 +31,10 @@ MAX_DIMS = 6
 _FIELDS = struct.Struct(f"<8sHHBB2x{MAX_DIMS}IQQ32s32s")
 _CRC = struct.Struct("<I")
 assert _FIELDS.size + _CRC.size <= HEADER_SIZE
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-_ITEMSIZE = {code: torch.empty((), dtype=dt).element_size() for dt, code in DTYPE_CODES.items()}
+# by the dtype's name (str of a torch.dtype): no torch here, so the pool's read processes
+# (fs/read_procs.py) import this module without it
+DTYPE_CODES = {"torch.float32": 1, "torch.float16": 2, "torch.bfloat16": 3}
+_ITEMSIZE = {1: 4, 2: 2, 3: 2}
 # no block is larger: a 405B model's block of 16 tokens in bf16 is 8 MiB, of 256 tokens
 # 128 MiB; a header claiming more is damage (or a planted sparse file), never read
 MAX_PAYLOAD_BYTES = 1 << 30
@@ -94,11 +95,16 @@ def checksum(payload) -> int:
     return _XXH3(arr.ctypes.data, arr.nbytes)
 
 
-def encode_header(namespace: bytes, key: bytes, shape: tuple[int, ...], dtype: torch.dtype,
+def dtype_code(dtype) -> int:
+    """The header's code of a torch.dtype (or its name)."""
+    return DTYPE_CODES[str(dtype)]
+
+
+def encode_header(namespace: bytes, key: bytes, shape: tuple[int, ...], dtype,
                   payload_len: int, payload_checksum: int) -> bytes:
     assert len(shape) <= MAX_DIMS, shape
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
-    body = _FIELDS.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, DTYPE_CODES[dtype], len(shape),
+    body = _FIELDS.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, dtype_code(dtype), len(shape),
                         *dims, payload_len, payload_checksum, namespace, key)
     body += _CRC.pack(zlib.crc32(body))
     return body + b"\0" * (HEADER_SIZE - len(body))
@@ -140,14 +146,14 @@ def check_payload_size(header: BlockHeader) -> None:
 
 
 def check_header(header: BlockHeader, namespace: bytes, key: bytes, shape: tuple[int, ...],
-                 dtype: torch.dtype, payload_len: int) -> None:
+                 dtype, payload_len: int) -> None:
     """CorruptBlock unless the header describes this block: our namespace (a foreign model's
     block under the same key is a miss), this key, this shape and dtype, this length."""
     if header.namespace != namespace:
         raise CorruptBlock("namespace", "written by another model/layout")
     if header.key != key:
         raise CorruptBlock("key", "header key differs from the block's key")
-    if header.dtype_code != DTYPE_CODES[dtype] or header.shape != tuple(shape):
+    if header.dtype_code != dtype_code(dtype) or header.shape != tuple(shape):
         raise CorruptBlock("shape", f"{header.shape}/{header.dtype_code}")
     if header.payload_len != payload_len:
         raise CorruptBlock("length", f"{header.payload_len} != {payload_len}")

@@ -16,10 +16,16 @@ emptied (all its keys forgotten) and handed out whole. A page is held (pinned) f
 stay valid for the copies of the transfer holding it. The files stay the shared,
 persistent truth: the tier is one process's copy and forgets nothing a file does not
 still have (a key is only found here if the scheduler found its file first).
+
+A `shared` slab lives in a memfd (`fd`) that other processes map: the fs pool's read
+processes read block files straight into its slots (fs/read_procs.py). Pinned, it is
+registered with CUDA (cudaHostRegister) rather than allocated by it.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from collections import OrderedDict
 
@@ -41,19 +47,49 @@ def tier_shape(tier_bytes: int, block_nbytes: int, min_pages: int = 0) -> tuple[
 
 
 class HostTier:
-    def __init__(self, block_nbytes: int, num_pages: int, blocks_per_page: int, pinned: bool):
+    def __init__(self, block_nbytes: int, num_pages: int, blocks_per_page: int, pinned: bool,
+                 shared: bool = False):
         assert num_pages > 0 and blocks_per_page > 0, (num_pages, blocks_per_page)
         self.block_nbytes = block_nbytes
         self.blocks_per_page = blocks_per_page
         self.num_pages = num_pages
-        self.slab = torch.empty((num_pages * blocks_per_page, block_nbytes), dtype=torch.uint8,
-                                pin_memory=pinned)
+        shape = (num_pages * blocks_per_page, block_nbytes)
+        self.fd: int | None = None  # the shared slab's memfd
+        self._registered = False
+        if shared:
+            self.fd = os.memfd_create("shoal-host-tier", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, shape[0] * shape[1])
+            self.slab = torch.frombuffer(mmap.mmap(self.fd, shape[0] * shape[1]),
+                                         dtype=torch.uint8).view(shape)
+            if pinned:
+                error = torch.cuda.cudart().cudaHostRegister(self.slab.data_ptr(),
+                                                             self.slab.numel(), 0)
+                if int(error) != 0:
+                    self.close()
+                    raise RuntimeError(f"cudaHostRegister of the host tier failed ({error})")
+                self._registered = True
+        else:
+            self.slab = torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)
         self._keys: list[list[bytes | None]] = [[None] * blocks_per_page for _ in range(num_pages)]
         self._pins = [0] * num_pages
         self._idle: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
         self._where: dict[bytes, tuple[int, int]] = {}  # key -> (page, slot)
         self._cond = threading.Condition()
         self.num_hits = 0
+
+    def close(self) -> None:
+        """Let go of a shared slab's registration and memfd (the slab itself goes with the
+        last tensor viewing it)."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+            self._registered = False
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def row(self, page: int, slot: int) -> int:
+        """The slab row of a page's slot."""
+        return page * self.blocks_per_page + slot
 
     def rows(self, page: int, first: int = 0, count: int | None = None) -> torch.Tensor:
         """Slots [first, first + count) of a page: a [count, block_nbytes] uint8 view."""

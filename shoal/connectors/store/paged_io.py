@@ -4,27 +4,25 @@ The path for a KV cache on a GPU (and for a CPU cache when a host tier is config
 Blocks move a chunk at a time, a chunk being up to one page of blocks:
 
 Load (on an I/O thread): a load the tier holds whole is copied from its slots straight
-into the KV blocks, a run of consecutive slots and blocks a copy, with nothing staged (tier
-entries are verified). Otherwise, a chunk at a time: the blocks held by the tier are found
-there; the others
-are read from their files into the slots of a fresh page. Then, on the thread's own CUDA
-stream, each run of consecutive slots goes to a device staging buffer in one
-host-to-device copy, the rows read from files are verified there (gpu_xxh3.py: the
-header's XXH3-64, computed by the GPU; where Triton is absent, the CPU verifies each file
-as it reads it, off the GIL), and one `index_copy_` places the rows into their KV blocks;
-an event marks the end. A row that fails the GPU's check is not placed (its block keeps
-its bytes: the row is staged over by them first) and is reported (`corrupt`): a failed
-load is recomputed, as on every path; only verified rows become tier entries.
-The thread reads the next chunk while the copy runs, waits for an event before it lets
-go of the pages behind it, and returns only when every copy has ended: a finished task
-means the KV is in place (the engine's poll stays a `Future.done()`), and a cancelled
-request's blocks stay pinned until its copies end.
+into the KV blocks, a run of consecutive slots and blocks a copy, nothing staged (tier
+entries are verified). Otherwise, a chunk at a time: blocks the tier holds are found
+there, the others are read from their files into the slots of a fresh page (by the thread,
+or by a read process: `read_many`). Then, on the thread's own CUDA stream, each run of
+consecutive slots goes to a device staging buffer in one host-to-device copy, the rows read
+from files are verified there (gpu_xxh3.py: the header's XXH3-64 on the GPU; without
+Triton the CPU verifies each file as it reads it, off the GIL), and one `index_copy_`
+places them into their KV blocks; an event marks the end. A row that fails the check is
+not placed (staged over by its block's own bytes) and is reported (`corrupt`): it is
+recomputed, as every failed load is; only verified rows become tier entries. The thread
+reads the next chunk while the copy runs, lets go of the pages behind a copy once its
+event has passed, and returns only when every copy has ended: a finished task means the
+KV is in place, and a cancelled request's blocks stay pinned until its copies end.
 
-Save (started on the executing thread right after the forward, finished on an I/O
-thread): a side stream waits for the forward, gathers the chunk's blocks into a device
-staging buffer and copies it into a page in one device-to-host copy; an I/O thread waits
-for that copy's event and writes the files from the page. The forward never waits for a
-save (only if every page of the tier is held does the executing thread wait for one).
+Save (begun on the executing thread right after the forward, finished on an I/O thread):
+a side stream waits for the forward, gathers the chunk's blocks into a device staging
+buffer and copies it into a page in one device-to-host copy; an I/O thread waits for that
+copy's event and writes the files from the page. The forward never waits for a save
+(only if every page of the tier is held does the executing thread wait for one).
 
 No wait for a page can wait on itself: a load task lets go of every page it holds before
 it waits, and the tasks that finish saves run on threads of their own that never wait
@@ -55,6 +53,9 @@ BLOCKING_WAITS = True
 # (block index in the task, dest) -> the header's checksum of what was read into dest, or
 # None if the block is not usable (verified already unless the mover `verifies`)
 ReadFn = Callable[[int, memoryview], "int | None"]
+# (block indices in the task, page, first slot) -> read's value for each, the blocks read
+# into consecutive slots of the page from the first: a chunk's reads in one call
+ReadManyFn = Callable[[list[int], int, int], "list[int | None]"]
 CorruptFn = Callable[[int], None]  # (block index in the task): it failed the GPU's check
 WriteFn = Callable[[int, memoryview], bool]  # (block index in the task, bytes) -> published
 
@@ -81,22 +82,18 @@ class PagedMover:
     def launching(self, now: bool) -> None:
         """The executing thread launches a forward (True) or is done launching it. Meanwhile
         a chunk read from files holds its copies and checks back (at most LAUNCH_WAIT_S):
-        each is a dozen torch calls and two Triton launches, and every call of either
-        thread lets go of the GIL and waits to take it back, so eight I/O threads stretched
-        the launch of an 8B forward of 3,648 tokens from ~20 ms to 75-160 ms (H100) while
-        the GPU waited for its kernels. The reads themselves go on."""
+        their torch and Triton calls each take the GIL back, and eight I/O threads
+        stretched an 8B forward's launch from ~20 ms to 75-160 ms (H100)."""
         if now:
             self._not_launching.clear()
         else:
             self._not_launching.set()
 
     def fence(self) -> torch.cuda.Event | None:
-        """An event after the work launched so far on the calling thread's stream (the
-        executing thread's, before a step's forward): the copies of the loads started now
-        wait for it (`load`'s `after`). Blocks just handed to a load may still be in use by
-        those steps (a request preempted while its last step runs frees its blocks at
-        once); a forward launched later never touches them (a split's front computes
-        other blocks), so the copies do not wait for the front's forward."""
+        """An event after the work launched so far on the calling thread's stream (before a
+        step's forward): the copies of the loads started now wait for it (`load`'s `after`),
+        as blocks just handed to a load may still be in use by those steps (a request
+        preempted mid-step frees its blocks at once); later forwards never touch them."""
         if not self.is_cuda:
             return None
         event = torch.cuda.Event()
@@ -104,9 +101,11 @@ class PagedMover:
         return event
 
     def load(self, keys: list[bytes], block_ids: list[int], read: ReadFn,
-             corrupt: CorruptFn, after: torch.cuda.Event | None = None) -> None:
+             corrupt: CorruptFn, after: torch.cuda.Event | None = None,
+             read_many: ReadManyFn | None = None) -> None:
         """Bring blocks `keys[i]` into KV block `block_ids[i]`; `read(i, dest)` reads block
-        i's file into `dest` (None: not usable, the block is left as is); the copies wait
+        i's file into `dest` (None: not usable, the block is left as is), or `read_many`
+        a chunk's blocks at once into the tier's slots (where given); the copies wait
         for `after` (a `fence`; None: for all work launched so far). If the mover
         `verifies`, the GPU checks each read block against read's checksum and calls
         `corrupt(i)` for one that fails. Returns once every copy has ended."""
@@ -117,8 +116,9 @@ class PagedMover:
         try:
             for first in range(0, len(keys), per):
                 in_flight.append(self._load_chunk(keys[first:first + per],
-                                                  block_ids[first:first + per], read, first,
-                                                  in_flight, corrupt, after))
+                                                  block_ids[first:first + per],
+                                                  read_many or one_by_one(read, self.tier),
+                                                  first, in_flight, corrupt, after))
                 while len(in_flight) > IN_FLIGHT_CHUNKS:
                     self._finish(in_flight.popleft(), corrupt)
         finally:
@@ -129,10 +129,8 @@ class PagedMover:
         """If the tier holds every one of `keys` (in at most 3/4 of its pages, in runs of
         consecutive slots going to consecutive blocks no more than the pages or a quarter of
         the blocks): copy each run straight into its KV blocks, all at once, and return True
-        once the copies have ended (else False, having done nothing). Tier entries are
-        verified already, so nothing is staged: a page at a time through the staging buffer
-        (for 8B's 8 MiB blocks, a block a page) kept the copy engine waiting on the thread's
-        Python between pages, at 0.8 of a pinned copy alone (H100)."""
+        once the copies have ended (else False, having done nothing). Nothing is staged
+        (tier entries are verified): staging a page at a time ran at 0.8 of a pinned copy."""
         where = self.tier.locate(keys)  # (no hold, no hit counted)
         if None in where:
             return False
@@ -164,8 +162,7 @@ class PagedMover:
                     self.tier.release(page)
 
     def _finish_all(self, in_flight: deque, corrupt: CorruptFn) -> None:
-        """Finish every chunk in flight, each one even if an earlier one raised (its pages
-        let go once its copies end); then raise the first error."""
+        """Finish every chunk in flight, even after one raised; then raise the first error."""
         error = None
         while in_flight:
             try:
@@ -175,7 +172,7 @@ class PagedMover:
         if error is not None:
             raise error
 
-    def _load_chunk(self, keys, block_ids, read: ReadFn, offset: int, in_flight: deque,
+    def _load_chunk(self, keys, block_ids, read: ReadManyFn, offset: int, in_flight: deque,
                     corrupt: CorruptFn, after: torch.cuda.Event | None) -> _Chunk:
         tier = self.tier
         where, pages, misses = self._find(keys)
@@ -193,9 +190,8 @@ class PagedMover:
                     pages.extend(hits)
                 else:
                     pages.append(page)
-                slots = tier.rows(page, 0, len(misses)).numpy()
-                for slot, i in enumerate(misses):
-                    checksum = read(offset + i, memoryview(slots[slot]))
+                checksums = read([offset + i for i in misses], page, 0)
+                for slot, (i, checksum) in enumerate(zip(misses, checksums)):
                     if checksum is None:
                         continue
                     where[i] = (page, slot)
@@ -222,8 +218,7 @@ class PagedMover:
             raise
 
     def _find(self, keys: list[bytes]):
-        """The tier's slots of `keys` (None: not there), the pages held for the hits (one
-        hold each), and the indices of the misses."""
+        """The tier's slots of `keys` (None: not there), the hits' pages held, the misses."""
         where = self.tier.find(keys)
         return (where, [w[0] for w in where if w is not None],
                 [i for i, w in enumerate(where) if w is None])
@@ -329,9 +324,7 @@ class PagedMover:
             self.tier.release(page)
 
     def _to_device(self, block_ids: list[int]) -> torch.Tensor:
-        """Block ids on the GPU without a host wait: from pinned memory, which the host
-        allocator keeps until the copy has run (a copy from pageable memory would make
-        the host wait for everything queued on the stream)."""
+        """Block ids on the GPU from pinned memory (from pageable memory the host waits)."""
         ids = torch.tensor(block_ids, dtype=torch.long).pin_memory()
         return ids.to(self.device, non_blocking=True)
 
@@ -340,8 +333,7 @@ class PagedMover:
         self._thread_buffers()
 
     def warm_up(self) -> None:
-        """Compile (or load from Triton's cache) the GPU check now, at bring-up, rather
-        than in a request's first load (a first compile takes ~0.5 s)."""
+        """Compile the GPU check at bring-up, not in a first load (a compile: ~0.5 s)."""
         if self.verifies:
             row = torch.zeros((1, self.kv_rows.shape[1]), dtype=torch.int64, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -349,8 +341,7 @@ class PagedMover:
             torch.cuda.synchronize(self.device)
 
     def _thread_buffers(self) -> tuple[torch.cuda.Stream, torch.Tensor]:
-        """This thread's side stream and a page-sized device staging buffer (made once,
-        on that stream: every use of it is ordered on the stream)."""
+        """This thread's side stream and page-sized device staging buffer (made on it)."""
         local = self._local
         if getattr(local, "stream", None) is None:
             local.stream = torch.cuda.Stream(self.device)
@@ -379,6 +370,14 @@ def _wait(stream: torch.cuda.Stream) -> None:  # for the work queued so far on `
     event = _event()
     event.record(stream)
     event.synchronize()
+
+
+def one_by_one(read: ReadFn, tier: HostTier) -> ReadManyFn:
+    """A ReadManyFn that reads each block in turn with `read`."""
+    def read_many(indices: list[int], page: int, first: int) -> list[int | None]:
+        slots = tier.rows(page, first, len(indices)).numpy()
+        return [read(i, memoryview(slots[j])) for j, i in enumerate(indices)]
+    return read_many
 
 
 def _even(items: list) -> list:

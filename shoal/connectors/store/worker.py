@@ -21,7 +21,6 @@ from __future__ import annotations
 import abc
 import logging
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -30,10 +29,10 @@ from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheReg
                                    KvConnectorWorker, LoadProgress)
 from shoal.connectors.store.host_tier import HostTier, tier_shape
 from shoal.connectors.store.paged_io import PagedMover
-from shoal.connectors.store.base import BlockSpec, BlockStore, PoolOptions, UnitReader
-from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
+from shoal.connectors.store.base import BlockSpec, BlockStore, PoolOptions
 from shoal.connectors.store.load_queue import LoadQueue, Throttle
 from shoal.connectors.store.scheduler import BlockTransfer, PoolMeta
+from shoal.connectors.store.unit_io import UnitIO
 from shoal.kv.block_keys import shard_key, shard_namespace
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ log = logging.getLogger(__name__)
 CPU_BLOCKS_PER_UNIT = 4
 
 
-class StoreWorker(KvConnectorWorker):
+class StoreWorker(UnitIO, KvConnectorWorker):
     supports_attention_dp = True
     supports_abort = True  # I/O not started is cancelled; I/O in progress is waited for
     supports_partial_loads = True
@@ -92,8 +91,12 @@ class StoreWorker(KvConnectorWorker):
         # on a GPU every copy is staged in pages: enough for all threads at once
         num_pages, per_page = tier_shape(self._tier_bytes, nbytes,
                                          0 if self.on_cpu else 4 * (self._num_threads + 1))
-        if num_pages:
-            self.tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu)
+        if num_pages:  # (a capped read rate paces the threads' reads: no read processes)
+            procs = self.store.read_processes if self._throttle is None else 0
+            self.tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu,
+                                 shared=procs > 0)
+            if procs:
+                self.store.start_read_processes(self.spec, self.tier)
             self._mover = PagedMover(self.kv, self.tier)
             # saves are finished on threads of their own (paged_io: why that cannot hang); few:
             # each block written costs Python under the GIL, which the launches wait for
@@ -285,101 +288,8 @@ class StoreWorker(KvConnectorWorker):
         if self._mover is not None:
             self._writers.shutdown(wait=True)
         self.store.close()
-
-    # -- I/O threads -------------------------------------------------------------------
-
-    def _load_blocks(self, transfers: list[BlockTransfer], queue: LoadQueue) -> None:
-        """Load one unit; once its request is aborted, the blocks not read yet are skipped."""
-        start = time.perf_counter()
-        reader = self.store.read_unit([self._key(t) for t in transfers], self.spec)
-        if self._mover is None:  # block by block, each landing as it is read
-            ok = sum(self._read_own_block(t, reader, j, queue) for j, t in enumerate(transfers))
-        else:  # through pages: blocks not read came from the tier
-            failed = []
-
-            def read(i: int, dest: memoryview) -> int | None:
-                if queue.is_aborted:
-                    failed.append(i)
-                    return None
-                if self._throttle is not None:
-                    self._throttle.wait(self.layout.block_nbytes)
-                checksum = self._read_block(transfers[i], reader, i, dest,
-                                            verify=not self._mover.verifies)
-                if checksum is None:
-                    failed.append(i)
-                return checksum
-
-            def corrupt(i: int) -> None:  # failed the GPU's verification
-                failed.append(i)
-                self._corrupt(transfers[i], CorruptBlock("checksum", "payload checksum mismatch"))
-            self._mover.load([self._key(t) for t in transfers],
-                             [t.block_id for t in transfers], read, corrupt, queue.after)
-            ok = len(transfers) - len(failed)
-        with self._lock:
-            self._stats["bytes_loaded"] += ok * self.layout.block_nbytes
-            self._stats["blocks_loaded"] += ok
-            self._stats["load_seconds"] += time.perf_counter() - start
-
-    def _read_own_block(self, t: BlockTransfer, reader: UnitReader, i: int,
-                        queue: LoadQueue) -> bool:
-        """Read block `t` straight into its place, unless the engine dropped it (before or
-        while the read waited for its turn); True if it landed."""
-        if queue.is_aborted or not queue.wants(t):
-            return False
-        if self._throttle is not None and not queue.wait_turn(
-                t, self._throttle.reserve(self.layout.block_nbytes)):
-            return False  # dropped while it waited for its turn
-        if not queue.claim(t):  # dropped just now
-            return False
-        try:
-            return self._read_block(t, reader, i, self._block_bytes[t.block_id]) is not None
-        finally:
-            queue.land(t)
-
-    def _read_block(self, t: BlockTransfer, reader: UnitReader, i: int, dest: memoryview,
-                    verify: bool = True) -> int | None:
-        """Read block `t` (the reader's block i) into `dest`, verified unless `verify` is
-        False (then the caller verifies it); the header's checksum of the payload, or None
-        (the failure recorded, a corrupt block set aside) if it is missing, unreadable or
-        fails."""
-        try:
-            return reader.read_into(i, dest, verify)
-        except BlockMissing:
-            self._record_failure(t, "missing_blocks")
-        except CorruptBlock as e:
-            self._corrupt(t, e)
-        except OSError as e:  # unreadable, or the store cannot be reached
-            log.warning("pool block %s could not be read: %s", self._key(t).hex(), e)
-            self._record_failure(t, "missing_blocks")
-        return None
-
-    def _corrupt(self, t: BlockTransfer, error: CorruptBlock) -> None:
-        """Block `t` failed verification: set aside, the failure recorded."""
-        self.store.set_aside(self._key(t), error)
-        self._record_failure(t, "corrupt_blocks")
-
-    def _record_failure(self, t: BlockTransfer, counter: str) -> None:
-        with self._lock:
-            self._stats[counter] += 1
-            self._bad_blocks.setdefault(t.request_id, []).append(t.block_index)
-
-    def _save_block(self, t: BlockTransfer, payload: memoryview) -> bool:
-        """Publish one block from `payload`; True if the pool has it now."""
-        start = time.perf_counter()
-        key = self._key(t)
-        try:
-            written = self.store.write(key, payload, self.spec)
-        except OSError as e:
-            log.warning("pool save of block %s failed: %s", key.hex(), e)
-            with self._lock:
-                self._stats["save_failures"] += 1
-            return False
-        with self._lock:
-            self._stats["save_seconds"] += time.perf_counter() - start
-            if written:
-                self._stats["bytes_saved"] += payload.nbytes
-                self._stats["blocks_saved"] += 1
-        return True
+        if self.tier is not None:
+            self.tier.close()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

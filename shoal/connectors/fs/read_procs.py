@@ -1,0 +1,211 @@
+"""Block files read by helper processes straight into the host tier (`read_processes`).
+
+Why processes: an I/O thread's read of a block file is four system calls (open, fstat,
+preadv, close), and each one lets go of the GIL and takes it back. Through one GIL, eight
+threads read 512 KiB files at 5-7 GB/s on an H100 host whatever their number; eight
+processes read them at 13 GB/s and sixteen at 22 (`MODES=procs scripts/io_probe.py`).
+In an engine the I/O threads' own CUDA calls queue for the same GIL, so a Llama-1B load
+of 8k tokens from files ran at ~8 GB/s.
+
+A read process has a GIL of its own and no torch: it maps the tier's slab (a memfd the
+engine's process made and pinned, host_tier.py) and reads each block file straight into
+its slot, with every check of the in-process read (format.read_block_into). An I/O thread
+hands one process a unit's blocks in one message and waits, off the GIL, for one answer:
+per block the header's checksum of its payload, or why it is not usable. The processes
+start at bring-up; they end when the pipe closes (the worker's shutdown, or the engine's
+process dying).
+
+A process that dies fails the blocks it was given (missing: they are recomputed) and is
+not used again; with none left, the I/O threads read the files themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from shoal.connectors.fs import format as pf
+from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT_S = 2.0  # how long a read process gets to end after its pipe closes
+
+# A read process imports only what it runs (no shoal/__init__, no torch): the packages
+# above this module are made as empty namespaces first.
+_BOOT = """import os, sys, types
+top = sys.argv[1]
+for name in ("shoal", "shoal.connectors", "shoal.connectors.store", "shoal.connectors.fs"):
+    module = types.ModuleType(name)
+    module.__path__ = [os.path.join(top, *name.split(".")[1:])]
+    sys.modules[name] = module
+from shoal.connectors.fs.read_procs import serve
+serve(int(sys.argv[2]), int(sys.argv[3]))
+"""
+
+
+class ReadProcesses:
+    """`count` read processes over the pool at `root`, reading blocks of `spec` (a
+    store.base.BlockSpec) into the rows of a slab of `block_nbytes`-byte rows that the
+    memfd `slab_fd` holds (`slab_nbytes` long)."""
+
+    def __init__(self, root: Path, spec, slab_fd: int, slab_nbytes: int, count: int,
+                 touch_after: float | None):
+        self.block_nbytes = spec.nbytes
+        self.num_blocks_read = 0  # blocks read and passed their checks (tests, probes)
+        self._idle: list[Connection] = []  # ready and not reading
+        self._starting: list[Connection] = []  # not ready yet (importing, mapping the slab)
+        self._procs: dict[Connection, subprocess.Popen] = {}
+        self._cond = threading.Condition()
+        top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        setup = (str(root), spec.namespace, tuple(spec.shape), str(spec.dtype), spec.nbytes,
+                 slab_nbytes, touch_after)
+        try:
+            for _ in range(count):
+                ours, theirs = socket.socketpair()
+                with theirs:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", _BOOT, top, str(theirs.fileno()), str(slab_fd)],
+                        pass_fds=(theirs.fileno(), slab_fd), stdin=subprocess.DEVNULL)
+                conn = Connection(ours.detach())
+                self._procs[conn] = proc
+                conn.send(setup)
+                self._starting.append(conn)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def num_alive(self) -> int:
+        with self._cond:
+            return len(self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        with self._cond:
+            return [p.pid for p in self._procs.values()]
+
+    def read(self, keys: list[bytes], first_row: int, verify: bool) -> list | None:
+        """Read block `keys[j]` into slab row `first_row + j`, each verified unless `verify`
+        is False (then every header field is still checked). Per block: the header's
+        checksum of the payload, or the exception a read in this process would have
+        raised (BlockMissing, CorruptBlock, OSError). None if no process is left."""
+        conn = self._take()
+        if conn is None:
+            return None
+        try:
+            conn.send((keys, first_row, verify))
+            answers = conn.recv()
+        except (EOFError, OSError) as e:
+            self._lose(conn, e)
+            return [OSError(f"the pool's read process is gone ({e!r})")] * len(keys)
+        with self._cond:
+            self._idle.append(conn)
+            self._cond.notify()
+            self.num_blocks_read += sum(isinstance(a, int) for a in answers)
+        return [_outcome(a) for a in answers]
+
+    def _take(self) -> Connection | None:
+        """An idle read process; None if none is left, or if those not reading are still
+        starting (the caller reads meanwhile: a first load never waits for a start)."""
+        failed = []
+        try:
+            with self._cond:
+                while True:
+                    for conn in [c for c in self._starting if c.poll()]:
+                        self._starting.remove(conn)
+                        try:
+                            conn.recv()  # its "ready"
+                            self._idle.append(conn)
+                        except (EOFError, OSError) as e:  # it could not start
+                            failed.append((conn, e))
+                            self._procs.pop(conn).kill()
+                    if self._idle:
+                        return self._idle.pop()
+                    if self._starting or not self._procs:
+                        return None
+                    self._cond.wait()
+        finally:
+            for conn, error in failed:
+                self._lose(conn, error)
+
+    def _lose(self, conn: Connection, error: BaseException) -> None:
+        with self._cond:
+            proc = self._procs.pop(conn, None)
+            self._cond.notify_all()
+            left = len(self._procs)
+        log.warning("a pool read process failed (%r): %s", error,
+                    f"{left} left" if left else "the I/O threads read the files from now on")
+        conn.close()
+        if proc is not None:
+            _stop(proc)
+
+    def close(self) -> None:
+        """End every read process (none may be reading: the I/O threads have stopped)."""
+        with self._cond:
+            procs, self._procs, self._idle, self._starting = self._procs, {}, [], []
+            self._cond.notify_all()
+        for conn in procs:
+            conn.close()  # its process reads the end of its pipe and exits
+        for proc in procs.values():
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _outcome(answer):
+    """A read process's answer for one block as the in-process read gives it."""
+    if isinstance(answer, int):
+        return answer
+    kind, *detail = answer
+    if kind == "missing":
+        return BlockMissing(*detail)
+    if kind == "corrupt":
+        return CorruptBlock(*detail)
+    return OSError(*detail)
+
+
+def serve(sock_fd: int, slab_fd: int) -> None:
+    """A read process: answer read requests until the engine's end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
+    conn = Connection(sock_fd)
+    try:
+        root, namespace, shape, dtype, block_nbytes, slab_nbytes, touch_after = conn.recv()
+        slab = memoryview(mmap.mmap(slab_fd, slab_nbytes))
+        os.close(slab_fd)
+        dirs = pf.BlockDirs(root)
+        conn.send("ready")
+        while True:
+            keys, first_row, verify = conn.recv()
+            conn.send([_read(Path(root), namespace, key, slab, (first_row + j) * block_nbytes,
+                             block_nbytes, shape, dtype, touch_after, dirs, verify)
+                       for j, key in enumerate(keys)])
+    except (EOFError, OSError):  # the engine's end closed (a broken pipe is one)
+        return
+
+
+def _read(root, namespace, key, slab, at, nbytes, shape, dtype, touch_after, dirs, verify):
+    """One block into the slab at byte `at`: its checksum, or why it is not usable."""
+    try:
+        return pf.read_block_into(root, namespace, key, slab[at:at + nbytes], shape, dtype,
+                                  touch_after=touch_after, dirs=dirs, verify=verify)
+    except BlockMissing as e:
+        return ("missing", str(e))
+    except CorruptBlock as e:
+        return ("corrupt", e.reason, str(e).partition(": ")[2])
+    except OSError as e:
+        return ("oserror", str(e))
