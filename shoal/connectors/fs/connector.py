@@ -9,10 +9,9 @@ over `FsStore`, a directory of block files. Options: those of every store
     root            pool directory (required; created with owner-only permissions)
     max_bytes       optional capacity; the least recently used files are trimmed past it
     read_processes  processes that read block files into the host tier, each with a GIL
-                    of its own (read_procs.py; default: as many as io_threads with the
-                    KV cache on a GPU, else 0: the I/O threads read). Used where blocks
-                    move through the tier, and not with max_read_gbps (its cap paces the
-                    threads' reads)
+                    of its own (read_procs.py; default 0: the I/O threads read). Used
+                    where blocks move through the tier (a GPU cache, or host_tier_bytes),
+                    and not with max_read_gbps (its cap paces the threads' reads)
 
 A lookup is an lstat per block (a request's run: a binary search for its first miss,
 confirmed by a few probes); a read opens the file
@@ -70,7 +69,7 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
     cap = opts.get("max_bytes")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
         raise ValueError(f"fs connector: max_bytes must be a positive integer, got {cap!r}")
-    procs = opts.get("read_processes", shared.io_threads if device.startswith("cuda") else 0)
+    procs = opts.get("read_processes", 0)
     if isinstance(procs, bool) or not isinstance(procs, int) or not 0 <= procs <= 64:
         raise ValueError(f"fs connector: read_processes must be an integer in [0, 64], "
                          f"got {procs!r}")

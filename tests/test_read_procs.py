@@ -1,0 +1,150 @@
+"""The fs pool's read processes (fs/read_procs.py): block files read by processes of their
+own into a shared host tier give the same tokens as no pool and as the I/O threads' reads,
+keep every check of the in-process read, and survive a read process that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.connectors import ConnectorConfig
+from shoal.connectors.fs import format as pf
+from shoal.connectors.fs.connector import open_pool
+from shoal.kv.block_keys import extend_block_keys, request_seed
+from tests.conftest import random_prompts
+
+SP = SamplingParams(max_tokens=8)
+KW = dict(block_size=4, num_kv_blocks=128)
+TIER = 1 << 20  # a host tier on the CPU: blocks move through its pages, as on a GPU
+
+
+@pytest.fixture(scope="module")
+def workload():
+    shared = random_prompts(512, [40], seed=11)[0]  # 10 blocks of 4
+    return [shared + t for t in random_prompts(512, [3, 5], seed=12)]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, workload):
+    with LLM(tiny_model, **KW) as llm:
+        return [o.token_ids for o in llm.generate(workload, SP)]
+
+
+def pool_with(root, procs: int, **options) -> ConnectorConfig:
+    return ConnectorConfig(name="fs", compute_while_loading=False, options={
+        "root": str(root), "host_tier_bytes": TIER, "read_processes": procs, **options})
+
+
+def readers(llm):
+    return llm.engine.transfers.calls.worker.store._readers
+
+
+def wait_ready(llm) -> None:
+    """Until every read process has said it is ready (a load meanwhile reads on its thread)."""
+    r = readers(llm)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with r._cond:
+            for conn in [c for c in r._starting if c.poll(0.05)]:
+                r._starting.remove(conn)
+                conn.recv()
+                r._idle.append(conn)
+            if not r._starting:
+                return
+    raise AssertionError("read processes did not start")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))])
+def test_loads_read_by_processes_match_no_pool_and_the_processes_end(tiny_model, workload,
+                                                                      baseline, tmp_path, device):
+    """On a GPU the shared tier is pinned by registering it (cudaHostRegister); the blocks
+    read into it are verified there."""
+    kw = dict(KW, device=device)
+    if device != "cpu":
+        with LLM(tiny_model, **kw) as llm:
+            baseline = [o.token_ids for o in llm.generate(workload, SP)]
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **kw) as llm:
+        assert [o.token_ids for o in llm.generate(workload, SP)] == baseline
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **kw) as llm:
+        wait_ready(llm)
+        pids = readers(llm).pids
+        assert len(pids) == 2
+        outs = llm.generate(workload, SP)
+        llm.check_integrity()
+        assert [o.token_ids for o in outs] == baseline
+        # the shared prefix is loaded once (the other request finds it in the cache and
+        # loads its own 11th block)
+        assert sorted(o.num_connector_tokens for o in outs) == [4, 40]
+        assert readers(llm).num_blocks_read == llm.stats()["blocks_loaded"] == 11
+    assert not any(alive(pid) for pid in pids)  # ended (and reaped) at shutdown
+
+
+def test_a_corrupt_file_read_by_a_process_is_quarantined_and_recomputed(tiny_model, workload,
+                                                                        baseline, tmp_path):
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 1), **KW) as llm:
+        llm.generate(workload[:1], SP)
+        keys: list[bytes] = []
+        extend_block_keys(keys, workload[0], 4,
+                          request_seed(bytes.fromhex(llm.engine.info.namespace), None))
+    path = pf.block_path(tmp_path, keys[6])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # a flipped payload byte: only the checksum finds it
+    path.write_bytes(bytes(data))
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 1), **KW) as llm:
+        wait_ready(llm)
+        out = llm.generate(workload[:1], SP)[0]
+        llm.check_integrity()
+        s = llm.stats()
+    assert out.token_ids == baseline[0]
+    assert out.num_connector_tokens == 24  # blocks 0-5; recomputed from block 6 on
+    assert s["corrupt_blocks"] == 1 and s["load_failures_recomputed"] == 1
+    assert [p.name.startswith(keys[6].hex()) for p in (tmp_path / "quarantine").iterdir()] == [True]
+
+
+def test_a_read_process_that_dies_fails_its_blocks_and_the_threads_read_on(tiny_model, workload,
+                                                                            baseline, tmp_path):
+    other = random_prompts(512, [43], seed=13)[0]  # no prefix shared with the workload's
+    with LLM(tiny_model, **KW) as llm:
+        expected = llm.generate([other], SP)[0].token_ids
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 1), **KW) as llm:
+        llm.generate([workload[0], other], SP)
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 1), **KW) as llm:
+        wait_ready(llm)
+        (pid,) = readers(llm).pids
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)  # dead (and reaped here: the pool's own wait then finds no child)
+        first = llm.generate(workload[:1], SP)[0]  # its blocks failed: recomputed
+        assert first.token_ids == baseline[0] and first.num_connector_tokens == 0
+        assert readers(llm).num_alive == 0
+        second = llm.generate([other], SP)[0]  # read by the I/O threads
+        llm.check_integrity()
+        assert second.token_ids == expected and second.num_connector_tokens == 40
+        assert readers(llm).num_blocks_read == 0
+
+
+def test_read_processes_are_checked_and_not_started_under_a_read_cap(tiny_model, tmp_path):
+    for bad in (-1, 65, "2", True, 1.5):
+        with pytest.raises(ValueError, match="read_processes"):
+            LLM(tiny_model, kv_connector=pool_with(tmp_path, bad), **KW)
+    assert open_pool(ConnectorConfig(name="fs", options={"root": str(tmp_path)})).read_processes == 0
+    assert open_pool(ConnectorConfig(name="fs", options={"root": str(tmp_path)}),
+                     "cuda").read_processes == 0
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2, max_read_gbps=10.0), **KW) as llm:
+        assert readers(llm) is None  # the cap paces the threads' reads
+    with LLM(tiny_model, kv_connector=ConnectorConfig(name="fs", options={
+            "root": str(tmp_path), "read_processes": 2}), **KW) as llm:
+        assert readers(llm) is None  # no tier on a CPU: blocks are read into the cache
