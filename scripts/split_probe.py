@@ -5,8 +5,7 @@ decision (admission and the front's steps) and each load progress poll.
     [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] [GATE=S] [BLOCKING=0] PYTHONPATH=$PWD \
         python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
-READ_PROCS=N: the fs pool's read_processes; COPIER=0: each I/O thread launches its own
-copies (paged_io.ONE_COPIER); IO_TRACE=1: each load unit's time on its I/O thread, split into reading files, launching
+READ_PROCS=N: the fs pool's read_processes; IO_TRACE=1: each load unit's time on its I/O thread, split into reading files, launching
 copies (with the gate's wait) and waiting for them.
 POLL: the engine's longest wait while it only waits for loads (engine.IDLE_WAIT_SECONDS); SWITCH:
 `sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
@@ -156,7 +155,7 @@ if os.environ.get("IO_TRACE"):  # where an I/O thread's time goes, unit by unit
                 if spent is not None:
                     spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
         return wrapper
-    for name in ("_launch", "_finish"):
+    for name in ("_copy_in", "_finish"):
         setattr(PagedMover, name, timed(name, getattr(PagedMover, name)))
     original_load = PagedMover.load
 
@@ -174,7 +173,6 @@ if os.environ.get("IO_TRACE"):  # where an I/O thread's time goes, unit by unit
                                       f"{threading.current_thread().name}: "
                                       f"{(time.perf_counter() - start) * 1e3:.1f} ms ({parts})"))
     PagedMover.load = traced_load
-paged_io.ONE_COPIER = os.environ.get("COPIER", "1") != "0"
 paged_io.LAUNCH_WAIT_S = float(os.environ.get("GATE", paged_io.LAUNCH_WAIT_S))
 paged_io.BLOCKING_WAITS = os.environ.get("BLOCKING", "1") != "0"
 modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])

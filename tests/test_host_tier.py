@@ -111,18 +111,15 @@ class _NoStream:
     def record(self, stream=None): pass
 
 
-@pytest.mark.parametrize("copier", [False, True])
-def test_the_gpu_branch_places_checks_and_publishes_by_the_book(monkeypatch, copier):
+def test_the_gpu_branch_places_checks_and_publishes_by_the_book(monkeypatch):
     """The GPU branch of a load (staging, one index tensor, the check, the verdicts) run on
     CPU tensors with the streams stood in for and the check through Triton's interpreter:
     random chunks of tier hits, good reads, misses and reads whose checksum is wrong,
     several pages, and the wait for a page when all are held. Every bad read is reported
     once, never published and never placed; every good read is placed; the tier's entries
-    hold their bytes; no page stays held. `copier`: the copies launched by the mover's one
-    copier thread (as on a GPU), or by the loading thread."""
+    hold their bytes; no page stays held."""
     import contextlib
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
     import xxhash
 
@@ -146,7 +143,6 @@ def test_the_gpu_branch_places_checks_and_publishes_by_the_book(monkeypatch, cop
         kv = torch.zeros((40, nbytes), dtype=torch.uint8)
         mover = paged_io.PagedMover(kv, tier)
         mover.is_cuda = mover.verifies = True
-        mover._copier = ThreadPoolExecutor(1) if copier else None
         staging = torch.empty((per, nbytes), dtype=torch.uint8).view(torch.int64)
         monkeypatch.setattr(mover, "_thread_buffers", lambda: (_NoStream(), staging))
         keys = [os.urandom(32) for _ in range(rng.randint(1, 14))]
@@ -373,28 +369,6 @@ def test_a_straight_copy_that_raises_lets_go_of_its_pages():
         mover.load(keys, [0, 1, 2, 3], read=None, corrupt=None)
     assert tier.num_held_pages == 0
     tier.check_integrity()
-
-
-def test_copies_that_raise_on_the_copier_let_go_of_every_page():
-    """A chunk's copies that raise on the mover's copier thread: the load raises it, and
-    every page (its chunk's and those in flight around it) is let go."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from shoal.connectors.store.paged_io import PagedMover
-
-    tier = HostTier(block_nbytes=64, num_pages=8, blocks_per_page=2, pinned=False)
-    mover = PagedMover(torch.zeros((16, 8), dtype=torch.int64), tier)
-    mover._copier = ThreadPoolExecutor(1)
-    mover.kv_rows = None  # every copy fails (a bug, a broken cache view)
-    keys = [bytes([i]) * 32 for i in range(7)]
-
-    def read(i: int, dest: memoryview) -> int:
-        return 0  # (not verified on a CPU: published as read)
-    with pytest.raises(TypeError):
-        mover.load(keys, list(range(7)), read, corrupt=lambda i: None)
-    assert tier.num_held_pages == 0
-    tier.check_integrity()
-    mover.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)

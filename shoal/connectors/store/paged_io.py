@@ -18,7 +18,11 @@ reads the next chunk while the copy runs, lets go of the pages behind a copy onc
 event has passed, and returns only when every copy has ended: a finished task means the
 KV is in place, and a cancelled request's blocks stay pinned until its copies end.
 
-Saves: paged_save.py.
+Save (begun on the executing thread right after the forward, finished on an I/O thread):
+a side stream waits for the forward, gathers the chunk's blocks into a device staging
+buffer and copies it into a page in one device-to-host copy; an I/O thread waits for that
+copy's event and writes the files from the page. The forward never waits for a save
+(only if every page of the tier is held does the executing thread wait for one).
 
 No wait for a page can wait on itself: a load task lets go of every page it holds before
 it waits, and the tasks that finish saves run on threads of their own that never wait
@@ -29,7 +33,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -38,16 +41,11 @@ import torch
 
 from shoal.connectors.store import gpu_xxh3
 from shoal.connectors.store.host_tier import HostTier
-from shoal.connectors.store.paged_save import PagedSaves
 
 IN_FLIGHT_CHUNKS = 2  # a load task's chunks whose copies may run while it reads the next
 # the longest a chunk read from files waits with its copies and checks while the executing
 # thread launches a forward (0: never waits)
 LAUNCH_WAIT_S = 0.05
-# a load's copies and checks are launched by one thread of the mover's (`_launch`), not by
-# each I/O thread: every torch or Triton call lets go of the GIL and takes it back, and
-# sixteen I/O threads launching at once spent 18 ms a chunk queueing for it (H100)
-ONE_COPIER = True
 # the I/O threads wait for their copies asleep (an event made with cudaEventBlockingSync),
 # not spinning in the driver beside the executing thread as it launches a forward
 BLOCKING_WAITS = True
@@ -59,9 +57,10 @@ ReadFn = Callable[[int, memoryview], "int | None"]
 # into consecutive slots of the page from the first: a chunk's reads in one call
 ReadManyFn = Callable[[list[int], int, int], "list[int | None]"]
 CorruptFn = Callable[[int], None]  # (block index in the task): it failed the GPU's check
+WriteFn = Callable[[int, memoryview], bool]  # (block index in the task, bytes) -> published
 
 
-class PagedMover(PagedSaves):
+class PagedMover:
     def __init__(self, kv: torch.Tensor, tier: HostTier):
         # blocks as rows of 8-byte words (bytes if a block is not a whole number of words):
         # the gathers and scatters move 8 bytes per element
@@ -77,8 +76,6 @@ class PagedMover(PagedSaves):
         self._local = threading.local()  # per thread: its stream and device staging
         self._not_launching = threading.Event()  # cleared while a forward is launched
         self._not_launching.set()
-        self._copier = (ThreadPoolExecutor(1, thread_name_prefix="shoal-pool-copy")
-                        if self.is_cuda and ONE_COPIER else None)
 
     # -- loads (I/O threads) --------------------------------------------------------------
 
@@ -203,17 +200,16 @@ class PagedMover(PagedSaves):
                     else:
                         tier.publish(page, slot, keys[i])
             rows = [(w, b) for w, b in zip(where, block_ids) if w is not None]
+            if misses and self.is_cuda:
+                self._not_launching.wait(LAUNCH_WAIT_S)
             checks = []  # (place among rows, checksum) of the rows read from files
             if to_check:
                 read_or_hit = (i for i, w in enumerate(where) if w is not None)
                 place = {i: n for n, i in enumerate(read_or_hit)}
                 checks = [(place[i], c) for i, c in to_check]
-            chunk = _Chunk(None, pages, [(offset + i, keys[i], where[i]) for i, _ in to_check])
-            if self._copier is not None:
-                chunk.copies = self._copier.submit(self._launch, rows, checks, after, bool(misses))
-            else:
-                chunk.event, chunk.verdicts = self._launch(rows, checks, after, bool(misses))
-            return chunk
+            event, verdicts = self._copy_in(rows, checks, after)
+            return _Chunk(event, pages, [(offset + i, keys[i], where[i]) for i, _ in to_check],
+                          verdicts)
         except BaseException:  # let go of the pages held, once no copy may read them
             if self.is_cuda:
                 _wait(self._thread_buffers()[0])
@@ -226,18 +222,6 @@ class PagedMover(PagedSaves):
         where = self.tier.find(keys)
         return (where, [w[0] for w in where if w is not None],
                 [i for i, w in enumerate(where) if w is None])
-
-    def _launch(self, rows, checks, after: torch.cuda.Event | None, from_files: bool):
-        """`_copy_in`, held back while a forward is launched if rows come from files (on the
-        copier's thread, or the I/O thread's); if it raises, its copies have ended."""
-        if from_files and self.is_cuda:
-            self._not_launching.wait(LAUNCH_WAIT_S)
-        try:
-            return self._copy_in(rows, checks, after)
-        except BaseException:
-            if self.is_cuda:
-                _wait(self._thread_buffers()[0])
-            raise
 
     def _copy_in(self, rows: list[tuple[tuple[int, int], int]], checks: list[tuple[int, int]],
                  after: torch.cuda.Event | None
@@ -289,8 +273,6 @@ class PagedMover(PagedSaves):
         """Wait for a chunk's copies; publish its verified rows to the tier and report
         the others to `corrupt`."""
         try:
-            if chunk.copies is not None:  # (if they raised, they have ended)
-                chunk.event, chunk.verdicts = chunk.copies.result()
             if chunk.event is not None:
                 chunk.event.synchronize()
             if chunk.checks:
@@ -303,9 +285,43 @@ class PagedMover(PagedSaves):
             for page in chunk.pages:
                 self.tier.release(page)
 
-    @staticmethod
-    def _new_event() -> torch.cuda.Event:
-        return _event()
+    # -- saves (begun on the executing thread, finished on an I/O thread) ----------------
+
+    def begin_save(self, block_ids: list[int]) -> tuple[int, torch.cuda.Event | None]:
+        """Copy up to one page of KV blocks into a fresh page, after the work queued so far
+        on this thread's stream (the forward that computed them). Returns the page (held:
+        `finish_save` lets go of it) and the copy's event (None on a CPU)."""
+        assert len(block_ids) <= self.tier.blocks_per_page, len(block_ids)
+        page = self.tier.take_page()
+        rows = self.tier.rows(page, 0, len(block_ids))
+        if not self.is_cuda:
+            torch.index_select(self.kv_rows, 0, torch.tensor(block_ids, dtype=torch.long),
+                               out=rows.view(self.word))
+            return page, None
+        compute = torch.cuda.current_stream(self.device)
+        stream, staging = self._thread_buffers()
+        with torch.cuda.stream(stream):
+            stream.wait_stream(compute)
+            torch.index_select(self.kv_rows, 0, self._to_device(block_ids),
+                               out=staging[:len(block_ids)])
+            rows.view(self.word).copy_(staging[:len(block_ids)], non_blocking=True)
+            event = _event()
+            event.record(stream)
+        return page, event
+
+    def finish_save(self, page: int, event: torch.cuda.Event | None, keys: list[bytes],
+                    write: WriteFn, offset: int = 0) -> None:
+        """Wait for the page's copy, write its blocks (`write(offset + i, bytes)`), keep the
+        ones written or already in the pool as tier entries, let go of the page."""
+        try:
+            if event is not None:
+                event.synchronize()
+            slots = self.tier.rows(page, 0, len(keys)).numpy()
+            for slot, key in enumerate(keys):
+                if write(offset + slot, memoryview(slots[slot])):
+                    self.tier.publish(page, slot, key)
+        finally:
+            self.tier.release(page)
 
     def _to_device(self, block_ids: list[int]) -> torch.Tensor:
         """Block ids on the GPU from pinned memory (from pageable memory the host waits)."""
@@ -313,16 +329,8 @@ class PagedMover(PagedSaves):
         return ids.to(self.device, non_blocking=True)
 
     def prepare_thread(self) -> None:
-        """Make this thread's (and the copier's) stream and staging buffer now (else at
-        their first copy)."""
+        """Make this thread's stream and staging buffer now (else at its first copy)."""
         self._thread_buffers()
-        if self._copier is not None:
-            self._copier.submit(self._thread_buffers).result()
-
-    def close(self) -> None:
-        """Stop the copier (no load may be running)."""
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
 
     def warm_up(self) -> None:
         """Compile the GPU check at bring-up, not in a first load (a compile: ~0.5 s)."""
@@ -351,8 +359,7 @@ class _Chunk:
     event: torch.cuda.Event | None
     pages: list[int]
     checks: list[tuple[int, bytes, tuple[int, int]]]
-    verdicts: torch.Tensor | None = None
-    copies: Future | None = None  # the copier's (event, verdicts), until `_finish`
+    verdicts: torch.Tensor | None
 
 
 def _event() -> torch.cuda.Event:  # one an I/O thread waits for (letting go of the GIL)

@@ -287,7 +287,6 @@ class StoreWorker(UnitIO, KvConnectorWorker):
         self._io.shutdown(wait=True)
         if self._mover is not None:
             self._writers.shutdown(wait=True)
-            self._mover.close()
         self.store.close()
         if self.tier is not None:
             self.tier.close()
