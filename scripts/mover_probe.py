@@ -2,7 +2,11 @@
 pinned host-to-device copy of a load's bytes, and PagedMover.load of blocks the host tier
 holds (staged) and of blocks read from host memory (verified on the GPU), by thread count.
 
-    PYTHONPATH=$PWD python3 scripts/mover_probe.py [BLOCK_MB ...]
+    [PROFILE=1] PYTHONPATH=$PWD python3 scripts/mover_probe.py [BLOCK_MB ...]
+
+BLOCK_MB may be a fraction (0.5: Llama-1B's 16-token block). PROFILE=1: one more load from
+"files" at 1 and 8 threads under torch.profiler (the host's CPU and CUDA runtime calls),
+its busiest calls printed: where a chunk's copies and checks spend the host's time.
 
 Llama-8B's 8k-token prefix is 1 GiB: 128 blocks of 8 MiB (64 tokens), 512 of 2 MiB (16).
 An old checksum module at scripts/_old_xxh3.py (if present) is timed beside the current.
@@ -37,15 +41,15 @@ def timed(fn, reps=5):
     return best
 
 
-def hashes(block_mb: int) -> None:
+def hashes(block_mb: float) -> None:
     mods = {"now": gpu_xxh3}
     old = os.path.join(os.path.dirname(__file__), "_old_xxh3.py")
     if os.path.exists(old):
         spec = importlib.util.spec_from_file_location("old_xxh3", old)
         mods["old"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mods["old"])
-    nbytes = block_mb << 20
-    for rows in (1, 16 // block_mb, 8):
+    nbytes = int(block_mb * (1 << 20))
+    for rows in (1, max(1, int(16 // block_mb)), 8):
         data = torch.randint(-2**62, 2**62, (rows, nbytes // 8), dtype=torch.int64, device=dev)
         ids = torch.arange(rows, device=dev)
         want = torch.tensor([gpu_xxh3.signed(xxhash.xxh3_64_intdigest(
@@ -57,8 +61,8 @@ def hashes(block_mb: int) -> None:
                   f"({rows * nbytes / s / 1e9:.1f} GB/s) ok={all(ok)}")
 
 
-def copies(block_mb: int) -> None:
-    nbytes = block_mb << 20
+def copies(block_mb: float) -> None:
+    nbytes = int(block_mb * (1 << 20))
     n = TOTAL // nbytes
     kv = torch.zeros((n + 8, nbytes // 2), dtype=torch.bfloat16, device=dev)
     pages, per_page = tier_shape(2 * TOTAL, nbytes, 4 * 9)
@@ -99,9 +103,19 @@ def copies(block_mb: int) -> None:
             start = time.perf_counter()
             load(pool)
             s = time.perf_counter() - start
-        pool.shutdown()
         print(f"mover, read + GPU check, {threads} threads: {TOTAL / s / 1e9:.1f} GB/s "
               f"({s * 1e3:.1f} ms), corrupt {len(bad)}")
+        if os.environ.get("PROFILE") and threads in (1, 8):
+            from torch.profiler import ProfilerActivity, profile
+            tier.__init__(nbytes, pages, per_page, pinned=True)
+            mover = PagedMover(kv, tier)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                load(pool)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
+                                            max_name_column_width=48))
+        pool.shutdown()
     ok = torch.equal(kv[4:n + 4].view(torch.uint8).reshape(n, -1)[:, :16].cpu(),
                      src[:, :16])
     print("placed bytes equal:", ok)
@@ -114,7 +128,7 @@ def copies(block_mb: int) -> None:
               f"({s * 1e3:.1f} ms), tier hits {tier.num_hits}")
 
 
-for mb in [int(a) for a in sys.argv[1:]] or [8, 2]:
+for mb in [float(a) for a in sys.argv[1:]] or [8, 2]:
     print(f"== {mb} MiB blocks")
     hashes(mb)
     copies(mb)
