@@ -40,8 +40,12 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 2.0  # how long a read process gets to end after its pipe closes
 
 # A read process imports only what it runs (no shoal/__init__, no torch): the packages
-# above this module are made as empty namespaces first.
-_BOOT = """import os, sys, types
+# above this module are made as empty namespaces first; and nothing from the engine's
+# working directory (`-c` puts it first on the path)
+_BOOT = """import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+import os, types
 top = sys.argv[1]
 for name in ("shoal", "shoal.connectors", "shoal.connectors.store", "shoal.connectors.fs"):
     module = types.ModuleType(name)
@@ -60,7 +64,8 @@ class ReadProcesses:
     def __init__(self, root: Path, spec, slab_fd: int, slab_nbytes: int, count: int,
                  touch_after: float | None):
         self.block_nbytes = spec.nbytes
-        self.num_blocks_read = 0  # blocks read and passed their checks (tests, probes)
+        # blocks read whose header (and payload, if verified there) passed (tests, probes)
+        self.num_blocks_read = 0
         self._idle: list[Connection] = []  # ready and not reading
         self._starting: list[Connection] = []  # not ready yet (importing, mapping the slab)
         self._procs: dict[Connection, subprocess.Popen] = {}
@@ -97,16 +102,19 @@ class ReadProcesses:
         """Read block `keys[j]` into slab row `first_row + j`, each verified unless `verify`
         is False (then every header field is still checked). Per block: the header's
         checksum of the payload, or the exception a read in this process would have
-        raised (BlockMissing, CorruptBlock, OSError). None if no process is left."""
+        raised (BlockMissing, CorruptBlock, OSError). None if no process took the chunk
+        (none is ready, or the one that took it died): the caller reads it."""
         conn = self._take()
         if conn is None:
             return None
         try:
             conn.send((keys, first_row, verify))
             answers = conn.recv()
-        except (EOFError, OSError) as e:
-            self._lose(conn, e)
-            return [OSError(f"the pool's read process is gone ({e!r})")] * len(keys)
+        except BaseException as e:
+            self._lose(conn, e)  # (ended: nothing writes the rows any more)
+            if isinstance(e, (EOFError, OSError)):
+                return None  # the caller reads the chunk itself
+            raise
         with self._cond:
             self._idle.append(conn)
             self._cond.notify()
@@ -127,10 +135,9 @@ class ReadProcesses:
                             self._idle.append(conn)
                         except (EOFError, OSError) as e:  # it could not start
                             failed.append((conn, e))
-                            self._procs.pop(conn).kill()
                     if self._idle:
                         return self._idle.pop()
-                    if self._starting or not self._procs:
+                    if self._starting or len(self._procs) <= len(failed):
                         return None
                     self._cond.wait()
         finally:

@@ -92,11 +92,10 @@ class StoreWorker(UnitIO, KvConnectorWorker):
         num_pages, per_page = tier_shape(self._tier_bytes, nbytes,
                                          0 if self.on_cpu else 4 * (self._num_threads + 1))
         if num_pages:  # (a capped read rate paces the threads' reads: no read processes)
-            procs = self.store.read_processes if self._throttle is None else 0
-            self.tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu,
-                                 shared=procs > 0)
-            if procs:
-                self.store.start_read_processes(self.spec, self.tier)
+            if self.store.read_processes and self._throttle is None:
+                self._start_read_processes(nbytes, num_pages, per_page)
+            if self.tier is None:
+                self.tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu)
             self._mover = PagedMover(self.kv, self.tier)
             # saves are finished on threads of their own (paged_io: why that cannot hang); few:
             # each block written costs Python under the GIL, which the launches wait for
@@ -108,6 +107,19 @@ class StoreWorker(UnitIO, KvConnectorWorker):
                 self._mover.warm_up()
         else:  # byte views of every block, made once: loads read straight into block memory
             self._block_bytes = [_bytes_of(self.kv[i]) for i in range(len(self.kv))]
+
+    def _start_read_processes(self, nbytes: int, num_pages: int, per_page: int) -> None:
+        """A shared tier and the store's read processes; if either cannot be had, a warning
+        (the I/O threads read, through a tier of their own)."""
+        tier = None
+        try:
+            tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu, shared=True)
+            self.store.start_read_processes(self.spec, tier)
+            self.tier = tier
+        except (OSError, RuntimeError) as e:
+            log.warning("pool read processes not started (%s): the I/O threads read", e)
+            if tier is not None:
+                tier.close()
 
     def _start_io_threads(self) -> None:
         """Start every I/O thread now, each with its CUDA stream and staging buffer: made at
