@@ -78,13 +78,18 @@ def test_moe_and_latent_attention_on_cuda_match_transformers(tiny_moe_models, na
     kernel (shoal/model/paged_mla.py) and its expanded prefill; then from the pool."""
     from transformers import AutoModelForCausalLM
 
+    from shoal.connectors import ConnectorConfig
+
     path = tiny_moe_models[name]
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("cuda")
     prompts = random_prompts(512, [1, 5, 17, 40])
     expected = [hf_greedy(ref, p, 16) for p in prompts]
+    # hits loaded whole: with no rate known, a hit this short is computed once its first
+    # block is later than 5% of its compute time (microseconds here), as it once was
+    cfg = ConnectorConfig(name="fs", options={"root": str(tmp_path)}, compute_while_loading=False)
     for run in ("save", "load"):
         with LLM(str(path), device="cuda", dtype="float32", block_size=4, num_kv_blocks=128,
-                 max_num_tokens=16, kv_pool=str(tmp_path)) as llm:
+                 max_num_tokens=16, kv_connector=cfg) as llm:
             outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
             llm.check_integrity()
         assert [o.token_ids for o in outs] == expected, run
