@@ -53,9 +53,9 @@ BLOCKING_WAITS = True
 # (block index in the task, dest) -> the header's checksum of what was read into dest, or
 # None if the block is not usable (verified already unless the mover `verifies`)
 ReadFn = Callable[[int, memoryview], "int | None"]
-# (block indices in the task, page, first slot) -> read's value for each, the blocks read
-# into consecutive slots of the page from the first: a chunk's reads in one call
-ReadManyFn = Callable[[list[int], int, int], "list[int | None]"]
+# (block indices in the task, page, first slot) -> read's value of each, read into the
+# page's slots from the first: a chunk's reads in one call (None: not taken, `read` each)
+ReadManyFn = Callable[[list[int], int, int], "list[int | None] | None"]
 CorruptFn = Callable[[int], None]  # (block index in the task): it failed the GPU's check
 WriteFn = Callable[[int, memoryview], bool]  # (block index in the task, bytes) -> published
 
@@ -104,20 +104,19 @@ class PagedMover:
              corrupt: CorruptFn, after: torch.cuda.Event | None = None,
              read_many: ReadManyFn | None = None) -> None:
         """Bring blocks `keys[i]` into KV block `block_ids[i]`; `read(i, dest)` reads block
-        i's file into `dest` (None: not usable, the block is left as is), or `read_many`
-        a chunk's blocks at once into the tier's slots (where given); the copies wait
-        for `after` (a `fence`; None: for all work launched so far). If the mover
-        `verifies`, the GPU checks each read block against read's checksum and calls
-        `corrupt(i)` for one that fails. Returns once every copy has ended."""
+        i's file into `dest` (None: not usable, left as is), unless `read_many` reads the
+        chunk; the copies wait for `after` (a `fence`; None: all work launched so far). If
+        the mover `verifies`, the GPU checks each read block against read's checksum and
+        calls `corrupt(i)` for one that fails. Returns once every copy has ended."""
         if self._copy_hits(keys, block_ids, after):
             return
         per = self.tier.blocks_per_page
         in_flight: deque[_Chunk] = deque()
+        read_chunk = _chunk_reader(read, read_many, self.tier)
         try:
             for first in range(0, len(keys), per):
                 in_flight.append(self._load_chunk(keys[first:first + per],
-                                                  block_ids[first:first + per],
-                                                  read_many or one_by_one(read, self.tier),
+                                                  block_ids[first:first + per], read_chunk,
                                                   first, in_flight, corrupt, after))
                 while len(in_flight) > IN_FLIGHT_CHUNKS:
                     self._finish(in_flight.popleft(), corrupt)
@@ -372,12 +371,14 @@ def _wait(stream: torch.cuda.Stream) -> None:  # for the work queued so far on `
     event.synchronize()
 
 
-def one_by_one(read: ReadFn, tier: HostTier) -> ReadManyFn:
-    """A ReadManyFn that reads each block in turn with `read`."""
-    def read_many(indices: list[int], page: int, first: int) -> list[int | None]:
+def _chunk_reader(read: ReadFn, read_many: ReadManyFn | None, tier: HostTier) -> ReadManyFn:
+    """A chunk's reads: by `read_many` where it takes them, else block by block by `read`."""
+    def read_chunk(indices: list[int], page: int, first: int) -> list[int | None]:
+        if read_many is not None and (sums := read_many(indices, page, first)) is not None:
+            return sums
         slots = tier.rows(page, first, len(indices)).numpy()
         return [read(i, memoryview(slots[j])) for j, i in enumerate(indices)]
-    return read_many
+    return read_chunk
 
 
 def _even(items: list) -> list:

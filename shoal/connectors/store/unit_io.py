@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from shoal.connectors.store import paged_io
 from shoal.connectors.store.base import UnitReader
 from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
 from shoal.connectors.store.load_queue import LoadQueue
@@ -45,13 +44,14 @@ class UnitIO:
                     failed.append(i)
                 return checksum
 
-            def read_many(indices: list[int], page: int, first: int) -> list[int | None]:
-                """A chunk's blocks in one call to a read process, where one runs."""
+            def read_many(indices: list[int], page: int, first: int) -> list[int | None] | None:
+                """A chunk's blocks in one call to a read process, where one takes them
+                (None: the load is aborted, or no process took them: `read` each)."""
                 answers = None if queue.is_aborted else self.store.read_rows(
                     [self._key(transfers[i]) for i in indices], self.tier.row(page, first),
                     not self._mover.verifies)
-                if answers is None:  # (none runs, or the load is aborted)
-                    return paged_io.one_by_one(read, self.tier)(indices, page, first)
+                if answers is None:
+                    return None
                 sums = [self._read_block(transfers[i], lambda a=a: _settle(a))
                         for i, a in zip(indices, answers)]
                 failed.extend(i for i, c in zip(indices, sums) if c is None)
