@@ -158,8 +158,11 @@ def test_a_read_process_imports_no_torch(tiny_model, tmp_path):
     with LLM(tiny_model, kv_connector=pool_with(tmp_path, 1), **KW) as llm:
         wait_ready(llm)
         (pid,) = readers(llm).pids
-        maps = open(f"/proc/{pid}/maps").read()
-    assert "xxhash" in maps and "torch" not in maps
+        libraries = {line.split()[-1] for line in open(f"/proc/{pid}/maps") if "/" in line}
+    assert any("xxhash" in path for path in libraries)
+    # (an install may live under a folder named torch: the library names tell, not the path)
+    assert not [p for p in libraries if os.path.basename(p).startswith(("libtorch", "libc10"))
+                or "/torch/lib/" in p or "/torch/_C" in p], libraries
 
 
 def test_read_processes_are_checked_and_not_started_under_a_read_cap(tiny_model, tmp_path):
