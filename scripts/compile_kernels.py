@@ -8,7 +8,8 @@ ptxas, no driver needed) at the shapes a GPU run uses: the MLA decode kernel wit
 without context splits and their fold, the dense rope + KV store, MLA's rope + norm + cache write, the fused MoE's
 router, its two GEMMs and its routing layout; the dense prefill over a split context and
 its fold; structured output's logit mask; the pool's
-GPU checksum (both passes).
+GPU checksum (both passes) and the placement of
+verified rows.
 Prints one line per kernel; exits 1 if any fails. The lent GPU's Triton may be older than
 this machine's, so a pass here is a good sign, not a proof.
 """
@@ -29,6 +30,7 @@ import shoal.model.fused_moe as moe  # noqa: E402
 import shoal.model.fused_ops as ops  # noqa: E402
 import shoal.model.paged_attention as pa  # noqa: E402
 import shoal.model.paged_mla as mla  # noqa: E402
+import shoal.connectors.store.gpu_place as place  # noqa: E402
 import shoal.connectors.store.gpu_xxh3 as xxh3  # noqa: E402
 import shoal.structured_output as so  # noqa: E402
 
@@ -126,6 +128,9 @@ def cases():
         {"rows_ptr": "i64", "ids_ptr": "i64", "consts_ptr": "i64", "sums_ptr": "i64",
          "expected_ptr": "i64", "hashes_ptr": "i64", "ok_ptr": "i8"},
         ["row_words", "num_words", "num_blocks", "tail_stripes"], dict(T=xxh3.CHAIN_TILE))
+    yield "pool load, verified rows placed", place._place_kernel, *signature(
+        {"kv_ptr": "i64", "staging_ptr": "i64", "targets_ptr": "i64", "check_ptr": "i64",
+         "ok_ptr": "i8"}, ["row_words"], dict(TILE=place.TILE))
 
 
 def main() -> int:

@@ -10,7 +10,6 @@ SWITCH=<seconds> (Python's GIL switch interval).
 """
 import collections, functools, os, sys, threading, time
 
-import torch
 
 from shoal import LLM, SamplingParams, StructuredOutput
 from shoal.bench.throughput import _prompts
@@ -65,7 +64,7 @@ def report(name, wall, steps, tok_s):
     starts = [a for th, key, a, b in SPANS if key == "ModelRunner.execute"]
     if len(starts) > 60:
         t0, t1 = starts[50], starts[54]
-        print(f"   -- timeline of steps 50-53 (ms from the 50th execute)")
+        print("   -- timeline of steps 50-53 (ms from the 50th execute)")
         for th, key, a, b in sorted(SPANS, key=lambda s: s[2]):
             if t0 <= a < t1:
                 print(f"   {1e3 * (a - t0):8.3f} {1e3 * (b - t0):8.3f}  {th:14s} {key}")

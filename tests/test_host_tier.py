@@ -132,8 +132,6 @@ def test_the_gpu_branch_places_checks_and_publishes_by_the_book(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _NoStream)
     empty = torch.empty
     monkeypatch.setattr(paged_io.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
-    monkeypatch.setattr(paged_io.PagedMover, "_to_device",
-                        lambda self, ids: torch.tensor(ids, dtype=torch.long))
     nbytes = 256
     rng = random.Random(0)
     published = 0

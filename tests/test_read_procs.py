@@ -177,3 +177,46 @@ def test_read_processes_are_checked_and_not_started_under_a_read_cap(tiny_model,
     with LLM(tiny_model, kv_connector=ConnectorConfig(name="fs", options={
             "root": str(tmp_path), "read_processes": 2}), **KW) as llm:
         assert readers(llm) is None  # no tier on a CPU: blocks are read into the cache
+
+
+def rchar(pid: int) -> int:
+    """Bytes the process has read through system calls (its files and its pipe)."""
+    for line in open(f"/proc/{pid}/io"):
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar for {pid}")
+
+
+def test_a_chunk_is_split_among_the_idle_processes(tiny_model, workload, baseline, tmp_path):
+    """Ten blocks, three processes idle: shares of at least four blocks (MIN_SHARE), so two
+    of them read, five blocks each; the third stays idle."""
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 3), **KW) as llm:
+        llm.generate(workload[:1], SP)
+    block_file = next(p for p in (tmp_path / "blocks").rglob("*") if p.is_file())
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 3), **KW) as llm:
+        wait_ready(llm)
+        pids = readers(llm).pids
+        before = {pid: rchar(pid) for pid in pids}
+        out = llm.generate(workload[:1], SP)[0]
+        llm.check_integrity()
+        grew = sorted(rchar(pid) - before[pid] for pid in pids)
+        assert out.token_ids == baseline[0] and out.num_connector_tokens == 40
+        assert readers(llm).num_blocks_read == 10 and readers(llm).num_alive == 3
+        assert len(readers(llm)._idle) == 3  # every process handed back
+    assert grew[0] == 0 and grew[1] >= 5 * block_file.stat().st_size
+
+
+def test_a_process_that_dies_mid_split_leaves_the_chunk_to_the_thread(tiny_model, workload,
+                                                                      baseline, tmp_path):
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **KW) as llm:
+        llm.generate(workload[:1], SP)
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **KW) as llm:
+        wait_ready(llm)
+        dead, living = readers(llm).pids
+        os.kill(dead, signal.SIGKILL)
+        os.waitpid(dead, 0)
+        out = llm.generate(workload[:1], SP)[0]  # split between both; one share is lost
+        llm.check_integrity()
+        assert out.token_ids == baseline[0] and out.num_connector_tokens == 40
+        assert llm.stats()["missing_blocks"] == 0
+        assert readers(llm).pids == [living] and readers(llm).num_blocks_read == 0

@@ -38,6 +38,7 @@ from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 2.0  # how long a read process gets to end after its pipe closes
+MIN_SHARE = 4  # the fewest blocks of a chunk one read process is given when it is split
 
 # A read process imports only what it runs (no shoal/__init__, no torch): the packages
 # above this module are made as empty namespaces first; and nothing from the engine's
@@ -103,23 +104,59 @@ class ReadProcesses:
         is False (then every header field is still checked). Per block: the header's
         checksum of the payload, or the exception a read in this process would have
         raised (BlockMissing, CorruptBlock, OSError). None if no process took the chunk
-        (none is ready, or the one that took it died): the caller reads it."""
-        conn = self._take()
-        if conn is None:
+        (none is ready, or one that took part of it died): the caller reads it.
+
+        The chunk is split among the processes idle now (at least MIN_SHARE blocks each;
+        one is waited for if none is idle), so that a few I/O threads keep many processes
+        reading: the threads' own work (the copies' launch) then queues for the GIL
+        behind fewer threads."""
+        first = self._take()
+        if first is None:
             return None
+        conns = [first] + self._take_idle(len(keys) // MIN_SHARE - 1)
+        share = -(-len(keys) // len(conns))
+        spare = conns[-(-len(keys) // share):]  # (rounding up can leave one with no share)
+        conns = conns[:len(conns) - len(spare)]
+        pending: list[Connection] = []  # sent a share, not answered yet
+        answered: list[Connection] = []
+        answers: list = []
+        lost = None
         try:
-            conn.send((keys, first_row, verify))
-            answers = conn.recv()
-        except BaseException as e:
-            self._lose(conn, e)  # (ended: nothing writes the rows any more)
-            if isinstance(e, (EOFError, OSError)):
-                return None  # the caller reads the chunk itself
+            for n, conn in enumerate(conns):
+                try:
+                    conn.send((keys[n * share:(n + 1) * share], first_row + n * share, verify))
+                    pending.append(conn)
+                except (EOFError, OSError) as e:  # it died: the others still read theirs
+                    self._lose(conn, e)
+                    lost = e
+            while pending:
+                conn = pending[0]
+                try:
+                    answers.extend(conn.recv())
+                    answered.append(conn)
+                except (EOFError, OSError) as e:
+                    self._lose(conn, e)
+                    lost = e
+                pending.pop(0)
+        except BaseException as e:  # nothing may write the rows once this returns
+            for conn in pending:
+                self._lose(conn, e)
             raise
+        finally:
+            with self._cond:
+                self._idle.extend(answered + spare)
+                self._cond.notify_all()
+        if lost is not None:
+            return None  # the caller reads the chunk itself
         with self._cond:
-            self._idle.append(conn)
-            self._cond.notify()
             self.num_blocks_read += sum(isinstance(a, int) for a in answers)
         return [_outcome(a) for a in answers]
+
+    def _take_idle(self, most: int) -> list[Connection]:
+        """Up to `most` more processes that are idle now (no wait)."""
+        with self._cond:
+            taken, self._idle = self._idle[:max(most, 0)], self._idle[max(most, 0):]
+        return taken
 
     def _take(self) -> Connection | None:
         """An idle read process; None if none is left, or if those not reading are still

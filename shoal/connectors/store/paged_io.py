@@ -7,16 +7,16 @@ Load (on an I/O thread): a load the tier holds whole is copied from its slots st
 into the KV blocks, a run of consecutive slots and blocks a copy, nothing staged (tier
 entries are verified). Otherwise, a chunk at a time: blocks the tier holds are found
 there, the others are read from their files into the slots of a fresh page (by the thread,
-or by a read process: `read_many`). Then, on the thread's own CUDA stream, each run of
+or by read processes: `read_many`). Then, on the thread's own CUDA stream, each run of
 consecutive slots goes to a device staging buffer in one host-to-device copy, the rows read
-from files are verified there (gpu_xxh3.py: the header's XXH3-64 on the GPU; without
-Triton the CPU verifies each file as it reads it, off the GIL), and one `index_copy_`
-places them into their KV blocks; an event marks the end. A row that fails the check is
-not placed (staged over by its block's own bytes) and is reported (`corrupt`): it is
-recomputed, as every failed load is; only verified rows become tier entries. The thread
-reads the next chunk while the copy runs, lets go of the pages behind a copy once its
-event has passed, and returns only when every copy has ended: a finished task means the
-KV is in place, and a cancelled request's blocks stay pinned until its copies end.
+from files are verified there (gpu_xxh3.py; without Triton the CPU verifies each file as
+it reads it, off the GIL), and one kernel places the rows that passed into their KV blocks
+(gpu_place.py); an event marks the end. A row that fails is not placed and is reported
+(`corrupt`): it is recomputed, as every failed load is; only verified rows become tier
+entries. The thread reads the next chunk while the copy runs, lets go of the pages behind
+a copy once its event has passed, and returns only when every copy has ended: a finished
+task means the KV is in place, and a cancelled request's blocks stay pinned until its
+copies end.
 
 Save (begun on the executing thread right after the forward, finished on an I/O thread):
 a side stream waits for the forward, gathers the chunk's blocks into a device staging
@@ -39,10 +39,12 @@ from typing import Callable
 
 import torch
 
-from shoal.connectors.store import gpu_xxh3
+from shoal.connectors.store import gpu_place, gpu_xxh3
 from shoal.connectors.store.host_tier import HostTier
 
 IN_FLIGHT_CHUNKS = 2  # a load task's chunks whose copies may run while it reads the next
+# a thread's pinned slots for its chunks' inputs and verdicts, used in turn: a slot's chunk
+SLOTS = IN_FLIGHT_CHUNKS + 2  # has finished when it is used again (_slot)
 # the longest a chunk read from files waits with its copies and checks while the executing
 # thread launches a forward (0: never waits)
 LAUNCH_WAIT_S = 0.05
@@ -80,10 +82,9 @@ class PagedMover:
     # -- loads (I/O threads) --------------------------------------------------------------
 
     def launching(self, now: bool) -> None:
-        """The executing thread launches a forward (True) or is done launching it. Meanwhile
-        a chunk read from files holds its copies and checks back (at most LAUNCH_WAIT_S):
-        their torch and Triton calls each take the GIL back, and eight I/O threads
-        stretched an 8B forward's launch from ~20 ms to 75-160 ms (H100)."""
+        """The executing thread launches a forward (True) or is done (False). Meanwhile a
+        chunk read from files holds its copies back (at most LAUNCH_WAIT_S): each of their
+        calls takes the GIL back (8 I/O threads stretched an 8B launch 20 -> 75-160 ms)."""
         if now:
             self._not_launching.clear()
         else:
@@ -143,10 +144,7 @@ class PagedMover:
                 return False
             if self.is_cuda:
                 stream = self._thread_buffers()[0]
-                if after is not None:
-                    stream.wait_event(after)
-                else:
-                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._after(stream, after)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for page, slot, block, count in runs:
                     self.kv_rows[block:block + count].copy_(
@@ -236,37 +234,35 @@ class PagedMover:
                 self.kv_rows[block].copy_(self.tier.rows(page, slot, 1)[0].view(self.word))
             return None, None
         stream, staging = self._thread_buffers()
+        host, host_ok = self._slot()
         with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            else:  # the forwards launched so far (on the default stream, this thread's too)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._after(stream, after)
             for page, first, row, count in _runs((w, i) for i, (w, _) in enumerate(rows)):
                 staging[row:row + count].copy_(self.tier.rows(page, first, count).view(self.word),
                                                non_blocking=True)
-            n = len(rows)
-            # the block ids, then the rows to check and their checksums, each list from an
-            # even place: 16-byte aligned, as in warm_up (Triton compiles a kernel per
-            # pointer alignment)
-            m = len(checks)
-            at, sums = n + n % 2, n + n % 2 + m + m % 2
-            ids = self._to_device(_even([b for _, b in rows]) + _even([p for p, _ in checks])
-                                  + [gpu_xxh3.signed(c) for _, c in checks])
+            values, spans = gpu_place.pack([b for _, b in rows], checks)
+            host.numpy()[:len(values)] = values
+            ids = host[:len(values)].to(self.device, non_blocking=True)
+            targets, places, sums, of_row = (ids[at:at + k] for at, k in spans)
             verdicts = None
-            if checks:
-                places = ids[at:at + m]
-                _, ok = gpu_xxh3.verify_rows(staging, places, ids[sums:])
-                verdicts = torch.empty(m, dtype=torch.int8, pin_memory=True)
+            if checks:  # a row that failed keeps its block's bytes
+                _, ok = gpu_xxh3.verify_rows(staging, places, sums)
+                verdicts = host_ok[:len(checks)]
                 verdicts.copy_(ok, non_blocking=True)
-                # a row that failed keeps its block's bytes: staged over by what is there
-                keep = torch.ones(n, dtype=torch.bool, device=self.device)
-                keep.index_copy_(0, places, ok.bool())
-                staging[:n] = torch.where(keep[:, None], staging[:n],
-                                          self.kv_rows.index_select(0, ids[:n]))
-            self.kv_rows.index_copy_(0, ids[:n], staging[:n])
+                gpu_place.place_rows(self.kv_rows, staging, targets, of_row, ok)
+            else:
+                self.kv_rows.index_copy_(0, targets, staging[:len(rows)])
             event = _event()
             event.record(stream)
         return event, verdicts
+
+    def _after(self, stream: torch.cuda.Stream, after: torch.cuda.Event | None) -> None:
+        """`stream` waits for `after`, or (None) for the forwards launched so far (on the
+        default stream, this thread's too)."""
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _finish(self, chunk: _Chunk, corrupt: CorruptFn) -> None:
         """Wait for a chunk's copies; publish its verified rows to the tier and report
@@ -301,7 +297,8 @@ class PagedMover:
         stream, staging = self._thread_buffers()
         with torch.cuda.stream(stream):
             stream.wait_stream(compute)
-            torch.index_select(self.kv_rows, 0, self._to_device(block_ids),
+            ids = torch.tensor(block_ids).pin_memory()  # (from pageable memory the host waits)
+            torch.index_select(self.kv_rows, 0, ids.to(self.device, non_blocking=True),
                                out=staging[:len(block_ids)])
             rows.view(self.word).copy_(staging[:len(block_ids)], non_blocking=True)
             event = _event()
@@ -322,21 +319,18 @@ class PagedMover:
         finally:
             self.tier.release(page)
 
-    def _to_device(self, block_ids: list[int]) -> torch.Tensor:
-        """Block ids on the GPU from pinned memory (from pageable memory the host waits)."""
-        ids = torch.tensor(block_ids, dtype=torch.long).pin_memory()
-        return ids.to(self.device, non_blocking=True)
-
     def prepare_thread(self) -> None:
         """Make this thread's stream and staging buffer now (else at its first copy)."""
         self._thread_buffers()
 
     def warm_up(self) -> None:
-        """Compile the GPU check at bring-up, not in a first load (a compile: ~0.5 s)."""
+        """Compile the GPU check and placement at bring-up, not in a first load (a compile:
+        ~0.5 s)."""
         if self.verifies:
             row = torch.zeros((1, self.kv_rows.shape[1]), dtype=torch.int64, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-            gpu_xxh3.verify_rows(row, zero, zero)
+            _, ok = gpu_xxh3.verify_rows(row, zero, zero)
+            gpu_place.place_rows(row, row, zero, zero - 1, ok)  # (row 0 onto itself)
             torch.cuda.synchronize(self.device)
 
     def _thread_buffers(self) -> tuple[torch.cuda.Stream, torch.Tensor]:
@@ -348,6 +342,17 @@ class PagedMover:
                 local.staging = torch.empty((self.tier.blocks_per_page, self.tier.block_nbytes),
                                             dtype=torch.uint8, device=self.device).view(self.word)
         return local.stream, local.staging
+
+    def _slot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This thread's next pinned slot for a chunk's ids and checks (int64), verdicts (int8)."""
+        local = self._local
+        if getattr(local, "inputs", None) is None:
+            per = self.tier.blocks_per_page
+            local.inputs = torch.empty((SLOTS, 4 * per + 4), dtype=torch.long, pin_memory=True)
+            local.verdicts = torch.empty((SLOTS, per), dtype=torch.int8, pin_memory=True)
+            local.turn = 0
+        local.turn = (local.turn + 1) % SLOTS
+        return local.inputs[local.turn], local.verdicts[local.turn]
 
 
 @dataclass
@@ -379,11 +384,6 @@ def _chunk_reader(read: ReadFn, read_many: ReadManyFn | None, tier: HostTier) ->
         slots = tier.rows(page, first, len(indices)).numpy()
         return [read(i, memoryview(slots[j])) for j, i in enumerate(indices)]
     return read_chunk
-
-
-def _even(items: list) -> list:
-    """items, with one 0 after them if their number is odd."""
-    return items + [0] * (len(items) % 2)
 
 
 def _runs(pairs) -> list[tuple[int, int, int, int]]:
