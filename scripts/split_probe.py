@@ -189,6 +189,9 @@ with bench_pool(None, **options) as connector:
         llm.generate([prompt], ONE)
     for name, extra in modes:
         with LLM(model, kv_connector=connector(**extra), **kw) as llm:
+            readers = getattr(llm.engine.transfers.calls.worker.store, "_readers", None)
+            if readers is not None:  # (as in a server: its processes started long before)
+                print(f"read processes ready: {readers.wait_ready(60)}")
             salt = os.urandom(8).hex() if source == "tier" else None
             if salt:  # computed and saved: the tier keeps what it saved
                 llm.generate([prompt], ONE, cache_salt=salt)

@@ -46,17 +46,7 @@ def readers(llm):
 
 def wait_ready(llm) -> None:
     """Until every read process has said it is ready (a load meanwhile reads on its thread)."""
-    r = readers(llm)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with r._cond:
-            for conn in [c for c in r._starting if c.poll(0.05)]:
-                r._starting.remove(conn)
-                conn.recv()
-                r._idle.append(conn)
-            if not r._starting:
-                return
-    raise AssertionError("read processes did not start")
+    assert readers(llm).wait_ready(60), "read processes did not start"
 
 
 def alive(pid: int) -> bool:
