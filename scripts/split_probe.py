@@ -5,7 +5,7 @@ decision (admission and the front's steps) and each load progress poll.
     [IO_THREADS=N] [POLL=S] [SWITCH=S] [WHOLE=N] [GATE=S] [BLOCKING=0] PYTHONPATH=$PWD \
         python3 scripts/split_probe.py random:llama-8b 8192 64 [files|tier]
 
-READ_PROCS=N: the fs pool's read_processes; IO_TRACE=1: each load unit's time on its I/O thread, split into reading files, launching
+BASELINE=1: first a traced run of an engine with no pool (the recompute). READ_PROCS=N: the fs pool's read_processes; IO_TRACE=1: each load unit's time on its I/O thread, split into reading files, launching
 copies (with the gate's wait) and waiting for them.
 POLL: the engine's longest wait while it only waits for loads (engine.IDLE_WAIT_SECONDS); SWITCH:
 `sys.setswitchinterval` (how long a thread running Python keeps the GIL from a thread back
@@ -178,6 +178,8 @@ paged_io.BLOCKING_WAITS = os.environ.get("BLOCKING", "1") != "0"
 modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])
          if "WHOLE" in os.environ else
          (("load whole", dict(compute_while_loading=False)), ("split", {}), ("split again", {})))
+if os.environ.get("BASELINE"):  # first, the prompt recomputed by an engine with no pool
+    modes = (("no pool", None),) + modes
 options = {"io_threads": int(os.environ["IO_THREADS"])} if "IO_THREADS" in os.environ else {}
 if "READ_PROCS" in os.environ:  # the fs pool's read processes (0: the I/O threads read)
     options["read_processes"] = int(os.environ["READ_PROCS"])
@@ -188,8 +190,10 @@ with bench_pool(None, **options) as connector:
         prompt = _prompt(llm, n)
         llm.generate([prompt], ONE)
     for name, extra in modes:
-        with LLM(model, kv_connector=connector(**extra), **kw) as llm:
-            readers = getattr(llm.engine.transfers.calls.worker.store, "_readers", None)
+        with LLM(model, kv_connector=extra if extra is None else connector(**extra),
+                 **kw) as llm:
+            calls = llm.engine.transfers.calls if llm.engine.transfers else None
+            readers = getattr(calls and calls.worker.store, "_readers", None)
             if readers is not None:  # (as in a server: its processes started long before)
                 print(f"read processes ready: {readers.wait_ready(60)}")
             salt = os.urandom(8).hex() if source == "tier" else None

@@ -142,11 +142,15 @@ def test_read_processes_that_cannot_start_leave_the_reads_to_the_threads(
     assert "the I/O threads read the files from now on" in caplog.text
 
 
-def test_a_read_process_imports_no_torch(tiny_model, tmp_path):
-    """It maps no torch library: its start and memory stay small."""
+def test_a_read_process_imports_no_torch_and_runs_behind_the_engine(tiny_model, tmp_path):
+    """It maps no torch library (its start and memory stay small), and its nice value is
+    NICENESS above the engine's (a forward's launch goes first on busy CPUs)."""
+    from shoal.connectors.fs.read_procs import NICENESS
     with LLM(tiny_model, kv_connector=pool_with(tmp_path, 1), **KW) as llm:
         wait_ready(llm)
         (pid,) = readers(llm).pids
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(ours + NICENESS, 19)
         libraries = {line.split()[-1] for line in open(f"/proc/{pid}/maps") if "/" in line}
     assert any("xxhash" in path for path in libraries)
     # (an install may live under a folder named torch: the library names tell, not the path)

@@ -39,6 +39,7 @@ from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 2.0  # how long a read process gets to end after its pipe closes
+NICENESS = 10  # added to a read process's nice value (it runs behind the engine's threads)
 MIN_SHARE = 4  # the fewest blocks of a chunk one read process is given when it is split
 
 # A read process imports only what it runs (no shoal/__init__, no torch): the packages
@@ -250,6 +251,8 @@ def _outcome(answer):
 def serve(sock_fd: int, slab_fd: int) -> None:
     """A read process: answer read requests until the engine's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
+    # below the engine's threads: where the CPUs are all busy, a forward's launch goes first
+    os.nice(NICENESS)
     conn = Connection(sock_fd)
     try:
         root, namespace, shape, dtype, block_nbytes, slab_nbytes, touch_after = conn.recv()
