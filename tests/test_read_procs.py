@@ -201,15 +201,59 @@ def test_a_chunk_is_split_among_the_idle_processes(tiny_model, workload, baselin
 
 def test_a_process_that_dies_mid_split_leaves_the_chunk_to_the_thread(tiny_model, workload,
                                                                       baseline, tmp_path):
+    """The chunk's first share goes to a living process, the second to one that died: the
+    living one's share is still waited for (nothing writes the rows once `read` returns),
+    then the thread reads the whole chunk; the living process is handed back."""
     with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **KW) as llm:
         llm.generate(workload[:1], SP)
+    block_file = next(p for p in (tmp_path / "blocks").rglob("*") if p.is_file())
     with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **KW) as llm:
         wait_ready(llm)
-        dead, living = readers(llm).pids
+        r = readers(llm)
+        # the last idle process is taken first, the others after it (in order)
+        dead, living = (r._procs[c].pid for c in r._idle)
         os.kill(dead, signal.SIGKILL)
         os.waitpid(dead, 0)
-        out = llm.generate(workload[:1], SP)[0]  # split between both; one share is lost
+        before = rchar(living)
+        out = llm.generate(workload[:1], SP)[0]
         llm.check_integrity()
         assert out.token_ids == baseline[0] and out.num_connector_tokens == 40
         assert llm.stats()["missing_blocks"] == 0
-        assert readers(llm).pids == [living] and readers(llm).num_blocks_read == 0
+        assert r.pids == [living] and r.num_blocks_read == 0 and len(r._idle) == 1
+        assert rchar(living) - before >= 5 * block_file.stat().st_size
+
+
+def test_a_chunk_splits_evenly_in_order_and_an_empty_read_takes_no_process(tmp_path):
+    """ReadProcesses on its own: 13 blocks over three processes (shares of 5, 4, 4) land in
+    their rows in order; an empty read answers at once."""
+    import mmap
+
+    from shoal.connectors.fs.connector import FsStore
+    from shoal.connectors.fs.read_procs import ReadProcesses
+    from shoal.connectors.store.base import BlockSpec
+
+    spec = BlockSpec(bytes(32), (2, 64), torch.float32, 512)
+    store = FsStore(tmp_path)
+    payloads = [torch.full((2, 64), float(i)) for i in range(13)]
+    keys = [os.urandom(32) for _ in payloads]
+    for key, payload in zip(keys, payloads):
+        assert store.write(key, memoryview(payload.numpy()).cast("B"), spec)
+    nbytes = 16 * spec.nbytes
+    fd = os.memfd_create("slab")
+    os.ftruncate(fd, nbytes)
+    slab = mmap.mmap(fd, nbytes)
+    readers = ReadProcesses(tmp_path, spec, fd, nbytes, 3, None)
+    rows = None
+    try:
+        assert readers.wait_ready(60) and len(readers._idle) == 3
+        assert readers.read([], 0, True) == [] and len(readers._idle) == 3
+        sums = readers.read(keys, 2, True)
+        assert all(isinstance(c, int) for c in sums) and len(sums) == 13
+        rows = torch.frombuffer(slab, dtype=torch.float32).view(16, 2, 64)
+        assert [int(rows[2 + i, 0, 0]) for i in range(13)] == list(range(13))
+        assert readers.num_blocks_read == 13 and len(readers._idle) == 3
+    finally:
+        readers.close()
+        del rows
+        slab.close()
+        os.close(fd)

@@ -108,45 +108,56 @@ class ReadProcesses:
         raised (BlockMissing, CorruptBlock, OSError). None if no process took the chunk
         (none is ready, or one that took part of it died): the caller reads it.
 
-        The chunk is split among the processes idle now (at least MIN_SHARE blocks each;
-        one is waited for if none is idle), so that a few I/O threads keep many processes
-        reading: the threads' own work (the copies' launch) then queues for the GIL
-        behind fewer threads."""
+        The chunk is split evenly among the processes idle now (at least MIN_SHARE blocks
+        each; one is waited for if none is idle), so that a few I/O threads keep many
+        processes reading: the threads' own work (the copies' launch) then queues for the
+        GIL behind fewer threads. Once this returns, no process writes the rows."""
+        if not keys:
+            return []
         first = self._take()
         if first is None:
             return None
         conns = [first] + self._take_idle(len(keys) // MIN_SHARE - 1)
-        share = -(-len(keys) // len(conns))
-        spare = conns[-(-len(keys) // share):]  # (rounding up can leave one with no share)
-        conns = conns[:len(conns) - len(spare)]
+        unsent = list(zip(conns, _shares(len(keys), len(conns))))
         pending: list[Connection] = []  # sent a share, not answered yet
-        answered: list[Connection] = []
+        idle: list[Connection] = []  # to hand back
         answers: list = []
         lost = None
         try:
-            for n, conn in enumerate(conns):
+            while unsent:
+                conn, (a, b) = unsent.pop(0)
+                if lost is not None:  # (the caller reads the chunk: no more shares)
+                    idle.append(conn)
+                    continue
                 try:
-                    conn.send((keys[n * share:(n + 1) * share], first_row + n * share, verify))
-                    pending.append(conn)
-                except (EOFError, OSError) as e:  # it died: the others still read theirs
+                    conn.send((keys[a:b], first_row + a, verify))
+                except BaseException as e:  # (a send cut short leaves the pipe unusable)
                     self._lose(conn, e)
-                    lost = e
+                    if not isinstance(e, (EOFError, OSError)):
+                        raise
+                    lost = e  # it died: the shares sent are still waited for
+                    continue
+                pending.append(conn)
             while pending:
-                conn = pending[0]
+                conn = pending.pop(0)
                 try:
-                    answers.extend(conn.recv())
-                    answered.append(conn)
-                except (EOFError, OSError) as e:
+                    share = conn.recv()
+                except BaseException as e:
                     self._lose(conn, e)
+                    if not isinstance(e, (EOFError, OSError)):
+                        raise
                     lost = e
-                pending.pop(0)
-        except BaseException as e:  # nothing may write the rows once this returns
-            for conn in pending:
+                    continue
+                idle.append(conn)
+                answers.extend(share)
+        except BaseException as e:
+            for conn in pending:  # (may still write their rows: ended before this returns)
                 self._lose(conn, e)
+            idle.extend(conn for conn, _ in unsent)
             raise
         finally:
             with self._cond:
-                self._idle.extend(answered + spare)
+                self._idle.extend(idle)
                 self._cond.notify_all()
         if lost is not None:
             return None  # the caller reads the chunk itself
@@ -168,7 +179,10 @@ class ReadProcesses:
             left = deadline - time.monotonic()
             if not starting or left <= 0:
                 return not starting
-            wait(starting, min(left, 0.05))
+            try:
+                wait(starting, min(left, 0.05))
+            except OSError:  # (one closed meanwhile, by a thread that lost it)
+                pass
 
     def _collect_started(self) -> list[tuple[Connection, BaseException]]:
         """(Under the lock) Processes that said ready become idle; those that could not
@@ -185,8 +199,13 @@ class ReadProcesses:
 
     def _take_idle(self, most: int) -> list[Connection]:
         """Up to `most` more processes that are idle now (no wait)."""
+        if most <= 0:
+            return []
         with self._cond:
-            taken, self._idle = self._idle[:max(most, 0)], self._idle[max(most, 0):]
+            failed = self._collect_started()
+            taken, self._idle = self._idle[:most], self._idle[most:]
+        for conn, error in failed:
+            self._lose(conn, error)
         return taken
 
     def _take(self) -> Connection | None:
@@ -226,6 +245,16 @@ class ReadProcesses:
             conn.close()  # its process reads the end of its pipe and exits
         for proc in procs.values():
             _stop(proc)
+
+
+def _shares(n: int, k: int) -> list[tuple[int, int]]:
+    """[a, b) of each of k shares of n items, in order, as even as can be (sizes differ by
+    at most one)."""
+    base, extra = divmod(n, k)
+    bounds = [0]
+    for j in range(k):
+        bounds.append(bounds[-1] + base + (j < extra))
+    return list(zip(bounds, bounds[1:]))
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -43,8 +43,7 @@ from shoal.connectors.store import gpu_place, gpu_xxh3
 from shoal.connectors.store.host_tier import HostTier
 
 IN_FLIGHT_CHUNKS = 2  # a load task's chunks whose copies may run while it reads the next
-# a thread's pinned slots for its chunks' inputs and verdicts, used in turn: a slot's chunk
-SLOTS = IN_FLIGHT_CHUNKS + 2  # has finished when it is used again (_slot)
+SLOTS = IN_FLIGHT_CHUNKS + 2  # a thread's pinned slots for chunks' small inputs (_slot)
 # the longest a chunk read from files waits with its copies and checks while the executing
 # thread launches a forward (0: never waits)
 LAUNCH_WAIT_S = 0.05
@@ -297,7 +296,7 @@ class PagedMover:
         stream, staging = self._thread_buffers()
         with torch.cuda.stream(stream):
             stream.wait_stream(compute)
-            ids = torch.tensor(block_ids).pin_memory()  # (from pageable memory the host waits)
+            ids = torch.tensor(block_ids, dtype=torch.long).pin_memory()  # (pageable: waits)
             torch.index_select(self.kv_rows, 0, ids.to(self.device, non_blocking=True),
                                out=staging[:len(block_ids)])
             rows.view(self.word).copy_(staging[:len(block_ids)], non_blocking=True)
@@ -344,7 +343,8 @@ class PagedMover:
         return local.stream, local.staging
 
     def _slot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This thread's next pinned slot for a chunk's ids and checks (int64), verdicts (int8)."""
+        """This thread's next pinned slot for a chunk's ids and checks (int64) and verdicts
+        (int8), used in turn: a slot's last chunk has finished when it is used again."""
         local = self._local
         if getattr(local, "inputs", None) is None:
             per = self.tier.blocks_per_page
