@@ -9,6 +9,9 @@
 #   scripts/gpu_round.sh moe              issue 30's figures: the fused MoE's tiles, the MoE
 #                                         and MLA decode step at batch 64 and 256, and
 #                                         DeepSeek-V2-Lite's 8k TTFT from the pool
+#   scripts/gpu_round.sh loads [P:T ...]  Llama-1B 8k from files traced (split_probe.py, IO_TRACE):
+#                                         a recompute, a whole load, two splits, for each
+#                                         P read processes and T I/O threads (default 16:2 0:8)
 #   scripts/gpu_round.sh leads            the leads of docs/roadmap.md item 2 (cold start,
 #                                         whole loads from files, 8B 8k rows)
 #   scripts/gpu_round.sh host             the engine's host floor per decode step (a tiny
@@ -53,6 +56,17 @@ elif [ "$what" = mla ]; then
     python3 scripts/mla_sdpa_probe.py "$mode" --model random:deepseek-v2-lite@9 --device cuda \
       --prefix-tokens 8192 --rounds 2 2>&1 | tee -a "$OUT/mla_ttft.log" | tail -6
   done
+elif [ "$what" = loads ]; then
+  baseline=1 cfgs=("$@")
+  [ ${#cfgs[@]} -eq 0 ] && cfgs=(16:2 0:8)
+  for cfg in "${cfgs[@]}"; do
+    echo "## READ_PROCS=${cfg%%:*} IO_THREADS=${cfg##*:}" | tee -a "$OUT/loads.log"
+    BASELINE=$baseline READ_PROCS=${cfg%%:*} IO_THREADS=${cfg##*:} IO_TRACE=1 timeout 150 \
+      python3 scripts/split_probe.py random:llama-1b 8192 16 files 2>&1 | grep -v Writing \
+      >>"$OUT/loads.log"
+    baseline=
+  done
+  grep "## \|== \|launched in\|units, medians" "$OUT/loads.log" | cut -c1-150
 elif [ "$what" = leads ]; then
   # the tenth session's leads (docs/roadmap.md item 2), ~7 minutes on an H100: the first
   # short chunk's cold start with cuBLAS's kernels loaded lazily or eagerly; whole loads

@@ -22,6 +22,7 @@ start of loads, the polls that report loads finished, each forward.
 """
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -46,6 +47,7 @@ kw = dict(device=os.environ.get("DEVICE", "cuda"), block_size=bs, max_num_tokens
           max_batch_size=1, num_kv_blocks=cdiv(n, bs) + 64,
           enable_prefix_caching=source != "tier")
 events: list[tuple[float, str]] = []
+units: list[dict[str, float]] = []  # (IO_TRACE) each load unit's times, in seconds
 tracing = False
 
 
@@ -168,6 +170,7 @@ if os.environ.get("IO_TRACE"):  # where an I/O thread's time goes, unit by unit
         finally:
             spent, io_local.spent = io_local.spent, None
             if tracing:
+                units.append({"unit": time.perf_counter() - start, **spent})
                 parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in spent.items())
                 events.append((start, f"unit of {len(keys)} blocks on "
                                       f"{threading.current_thread().name}: "
@@ -213,3 +216,9 @@ with bench_pool(None, **options) as connector:
             gpu_spans.clear()
             for t, what in sorted(events):
                 print(f"  {(t - t0) * 1e3:8.1f} ms  {what}")
+            if units:  # (IO_TRACE) the medians of this engine's units, in ms
+                medians = {k: statistics.median(u.get(k, 0.0) for u in units) * 1e3
+                           for k in sorted({k for u in units for k in u})}
+                print(f"   {len(units)} units, medians: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
+                units.clear()
