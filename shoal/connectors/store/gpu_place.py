@@ -69,6 +69,7 @@ def place_rows(kv_rows: torch.Tensor, staging: torch.Tensor, targets: torch.Tens
     check[r] >= 0 and ok[check[r]] == 0 (that block keeps its bytes). kv_rows, staging:
     [*, words] int64, contiguous, rows of the same length; targets, check: int64; ok: int8
     (at least one element); all on one GPU. Queued on the current stream."""
+    assert triton is not None, "place_rows needs Triton (paged_io uses it only where it verifies)"
     assert kv_rows.dtype == staging.dtype == torch.int64
     assert kv_rows.is_contiguous() and staging.is_contiguous()
     assert kv_rows.shape[1] == staging.shape[1] and len(check) == len(targets) and len(ok)
