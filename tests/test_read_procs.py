@@ -223,9 +223,10 @@ def test_a_process_that_dies_mid_split_leaves_the_chunk_to_the_thread(tiny_model
         assert rchar(living) - before >= 5 * block_file.stat().st_size
 
 
-def test_a_chunk_splits_evenly_in_order_and_an_empty_read_takes_no_process(tmp_path):
-    """ReadProcesses on its own: 13 blocks over three processes (shares of 5, 4, 4) land in
-    their rows in order; an empty read answers at once."""
+@pytest.fixture
+def thirteen_blocks(tmp_path):
+    """Three read processes over a pool of 13 blocks (block i's floats all equal i), and
+    their 16-row slab."""
     import mmap
 
     from shoal.connectors.fs.connector import FsStore
@@ -234,26 +235,54 @@ def test_a_chunk_splits_evenly_in_order_and_an_empty_read_takes_no_process(tmp_p
 
     spec = BlockSpec(bytes(32), (2, 64), torch.float32, 512)
     store = FsStore(tmp_path)
-    payloads = [torch.full((2, 64), float(i)) for i in range(13)]
-    keys = [os.urandom(32) for _ in payloads]
-    for key, payload in zip(keys, payloads):
-        assert store.write(key, memoryview(payload.numpy()).cast("B"), spec)
+    keys = [os.urandom(32) for _ in range(13)]
+    for i, key in enumerate(keys):
+        assert store.write(key, memoryview(torch.full((2, 64), float(i)).numpy()).cast("B"),
+                           spec)
     nbytes = 16 * spec.nbytes
     fd = os.memfd_create("slab")
     os.ftruncate(fd, nbytes)
     slab = mmap.mmap(fd, nbytes)
     readers = ReadProcesses(tmp_path, spec, fd, nbytes, 3, None)
-    rows = None
     try:
         assert readers.wait_ready(60) and len(readers._idle) == 3
-        assert readers.read([], 0, True) == [] and len(readers._idle) == 3
-        sums = readers.read(keys, 2, True)
-        assert all(isinstance(c, int) for c in sums) and len(sums) == 13
-        rows = torch.frombuffer(slab, dtype=torch.float32).view(16, 2, 64)
-        assert [int(rows[2 + i, 0, 0]) for i in range(13)] == list(range(13))
-        assert readers.num_blocks_read == 13 and len(readers._idle) == 3
+        yield readers, keys, torch.frombuffer(slab, dtype=torch.float32).view(16, 2, 64)
     finally:
         readers.close()
-        del rows
-        slab.close()
         os.close(fd)
+
+
+def test_a_chunk_splits_evenly_in_order_and_an_empty_read_takes_no_process(thirteen_blocks):
+    """13 blocks over three processes (shares of 5, 4, 4) land in their rows in order; an
+    empty read answers at once."""
+    readers, keys, rows = thirteen_blocks
+    assert readers.read([], 0, True) == [] and len(readers._idle) == 3
+    sums = readers.read(keys, 2, True)
+    assert all(isinstance(c, int) for c in sums) and len(sums) == 13
+    assert [int(rows[2 + i, 0, 0]) for i in range(13)] == list(range(13))
+    assert readers.num_blocks_read == 13 and len(readers._idle) == 3
+
+
+def test_an_error_raised_mid_send_ends_the_processes_it_may_have_left_writing(thirteen_blocks, monkeypatch):
+    """A send that raises something else than a broken pipe (here a ValueError) is
+    re-raised. Its process, whose pipe may hold half a message, is ended, and so is the one
+    already sent its share (it may still write its rows, and nothing waits for an answer
+    once an error is raised); the one not sent to yet is handed back, and the next read
+    works with it alone."""
+    from multiprocessing.connection import Connection
+
+    readers, keys, rows = thirteen_blocks
+    victim = readers._idle[0]  # taken second (the last idle one is taken first)
+    send = Connection.send
+
+    def failing_send(conn, obj):
+        if conn is victim:
+            raise ValueError("cannot pickle")
+        return send(conn, obj)
+    monkeypatch.setattr(Connection, "send", failing_send)
+    with pytest.raises(ValueError, match="cannot pickle"):
+        readers.read(keys, 0, True)
+    monkeypatch.setattr(Connection, "send", send)
+    assert readers.num_alive == 1 and len(readers._idle) == 1 and victim not in readers._idle
+    assert readers.read(keys, 3, True) is not None
+    assert [int(rows[3 + i, 0, 0]) for i in range(13)] == list(range(13))
