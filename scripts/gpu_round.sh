@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call's work on the lent GPU (see docs/benchmarks.md): the CUDA tests, then benchmarks.
-#   scripts/gpu_round.sh tests            CUDA tests + kernel tests (compiled Triton)
+#   scripts/gpu_round.sh tests            CUDA tests + kernel tests (compiled Triton); XDIST=N:
+#                                         in N pytest-xdist workers sharing the GPU (the
+#                                         device has xdist; not tried there yet)
 #   scripts/gpu_round.sh bench SHAPE ...  shoal bench throughput for random:<shape>s
 #   scripts/gpu_round.sh pool SPEC ...     issue 25's grid: shoal bench ttft for each
 #                                         shape:prefix_tokens:source[:rounds[:block_size]]
@@ -31,7 +33,8 @@ what=$1; shift
 if [ "$what" = tests ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' | tee -a "$OUT/gpu.txt"
-  python3 -m pytest -q -p no:cacheprovider -rfE --durations=12 tests/test_paged_attention.py \
+  python3 -m pytest -q -p no:cacheprovider -rfE --durations=12 ${XDIST:+-n "$XDIST" --dist load} \
+    tests/test_paged_attention.py \
     tests/test_cuda.py tests/test_host_tier.py tests/test_gpu_xxh3.py tests/test_gpu_place.py tests/test_fused_ops.py \
     tests/test_paged_mla.py tests/test_fused_moe.py tests/test_warm_up.py tests/test_read_procs.py \
     tests/test_structured_output.py::test_masking_keeps_exactly_the_allowed_tokens -k "not smollm2" "$@" 2>&1 \
