@@ -61,12 +61,11 @@ serve(int(sys.argv[2]), int(sys.argv[3]))
 
 class ReadProcesses:
     """`count` read processes over the pool at `root`, reading blocks of `spec` (a
-    store.base.BlockSpec) into the rows of a slab of `block_nbytes`-byte rows that the
+    store.base.BlockSpec) into the rows of a slab of `spec.nbytes`-byte rows that the
     memfd `slab_fd` holds (`slab_nbytes` long)."""
 
     def __init__(self, root: Path, spec, slab_fd: int, slab_nbytes: int, count: int,
                  touch_after: float | None):
-        self.block_nbytes = spec.nbytes
         # blocks read whose header (and payload, if verified there) passed (tests, probes)
         self.num_blocks_read = 0
         self._idle: list[Connection] = []  # ready and not reading
@@ -285,6 +284,7 @@ def serve(sock_fd: int, slab_fd: int) -> None:
     conn = Connection(sock_fd)
     try:
         root, namespace, shape, dtype, block_nbytes, slab_nbytes, touch_after = conn.recv()
+        root = Path(root)
         # its page tables made now: a first write to each 4 KiB page of a fresh mapping
         # faults, which made a first read into the slab ~5x slower (2.5 against 13 GB/s)
         slab = memoryview(mmap.mmap(slab_fd, slab_nbytes,
@@ -294,7 +294,7 @@ def serve(sock_fd: int, slab_fd: int) -> None:
         conn.send("ready")
         while True:
             keys, first_row, verify = conn.recv()
-            conn.send([_read(Path(root), namespace, key, slab, (first_row + j) * block_nbytes,
+            conn.send([_read(root, namespace, key, slab, (first_row + j) * block_nbytes,
                              block_nbytes, shape, dtype, touch_after, dirs, verify)
                        for j, key in enumerate(keys)])
     except (EOFError, OSError):  # the engine's end closed (a broken pipe is one)

@@ -93,7 +93,7 @@ class HostTier:
 
     def rows(self, page: int, first: int = 0, count: int | None = None) -> torch.Tensor:
         """Slots [first, first + count) of a page: a [count, block_nbytes] uint8 view."""
-        start = page * self.blocks_per_page + first
+        start = self.row(page, first)
         return self.slab[start:start + (self.blocks_per_page - first if count is None else count)]
 
     def take_page(self, wait: bool = True) -> int | None:

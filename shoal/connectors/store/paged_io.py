@@ -319,12 +319,12 @@ class PagedMover:
             self.tier.release(page)
 
     def prepare_thread(self) -> None:
-        """Make this thread's stream and staging buffer now (else at its first copy)."""
+        """Make this thread's stream, staging and pinned slots now (not in a first load)."""
         self._thread_buffers()
+        self._slot()
 
     def warm_up(self) -> None:
-        """Compile the GPU check and placement at bring-up, not in a first load (a compile:
-        ~0.5 s)."""
+        """Compile the GPU check and placement at bring-up, not in a first load (~0.5 s)."""
         if self.verifies:
             row = torch.zeros((1, self.kv_rows.shape[1]), dtype=torch.int64, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
