@@ -181,12 +181,12 @@ def rchar(pid: int) -> int:
 
 
 def test_a_chunk_is_split_among_the_idle_processes(tiny_model, workload, baseline, tmp_path):
-    """Ten blocks, three processes idle: shares of at least four blocks (MIN_SHARE), so two
-    of them read, five blocks each; the third stays idle."""
+    """Ten blocks, three processes idle, one I/O thread: shares of at least four blocks
+    (MIN_SHARE), so two of them read, five blocks each; the third stays idle."""
     with LLM(tiny_model, kv_connector=pool_with(tmp_path, 3), **KW) as llm:
         llm.generate(workload[:1], SP)
     block_file = next(p for p in (tmp_path / "blocks").rglob("*") if p.is_file())
-    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 3), **KW) as llm:
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 3, io_threads=1), **KW) as llm:
         wait_ready(llm)
         pids = readers(llm).pids
         before = {pid: rchar(pid) for pid in pids}
@@ -207,7 +207,7 @@ def test_a_process_that_dies_mid_split_leaves_the_chunk_to_the_thread(tiny_model
     with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **KW) as llm:
         llm.generate(workload[:1], SP)
     block_file = next(p for p in (tmp_path / "blocks").rglob("*") if p.is_file())
-    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2), **KW) as llm:
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2, io_threads=1), **KW) as llm:
         wait_ready(llm)
         r = readers(llm)
         # the last idle process is taken first, the others after it (in order)
@@ -261,6 +261,42 @@ def test_a_chunk_splits_evenly_in_order_and_an_empty_read_takes_no_process(thirt
     assert all(isinstance(c, int) for c in sums) and len(sums) == 13
     assert [int(rows[2 + i, 0, 0]) for i in range(13)] == list(range(13))
     assert readers.num_blocks_read == 13 and len(readers._idle) == 3
+
+
+def test_a_thread_takes_its_part_of_the_processes(thirteen_blocks):
+    """Three processes shared by two threads: a thread's chunk goes to one process, whole;
+    every process is handed back."""
+    readers, keys, rows = thirteen_blocks
+    readers.readers = 2
+    pids = readers.pids
+    before = {pid: rchar(pid) for pid in pids}
+    assert all(isinstance(c, int) for c in readers.read(keys, 1, True))
+    assert [int(rows[1 + i, 0, 0]) for i in range(13)] == list(range(13))
+    grew = sorted(rchar(pid) - before[pid] for pid in pids)
+    assert grew[:2] == [0, 0] and grew[2] > 0 and len(readers._idle) == 3
+
+
+def test_a_process_that_becomes_idle_takes_a_share_left(thirteen_blocks, monkeypatch):
+    """A thread that starts with one process (the other two busy elsewhere) gives a share
+    it has not sent to a process that became idle meanwhile."""
+    from shoal.connectors.fs import read_procs
+
+    readers, keys, rows = thirteen_blocks
+    busy = readers._take_idle(2)  # (another thread's, for now)
+    busy_pids = [readers._procs[c].pid for c in busy]
+    before = {pid: rchar(pid) for pid in busy_pids}
+    real_wait = read_procs.wait
+
+    def wait_once_freed(conns, timeout=None):  # the first wait: the other thread is done
+        if busy:
+            with readers._cond:
+                readers._idle.extend(busy)
+                busy.clear()
+        return real_wait(conns, timeout)
+    monkeypatch.setattr(read_procs, "wait", wait_once_freed)
+    assert all(isinstance(c, int) for c in readers.read(keys, 0, True))
+    assert [int(rows[i, 0, 0]) for i in range(13)] == list(range(13))
+    assert max(rchar(pid) - before[pid] for pid in busy_pids) > 0 and len(readers._idle) == 3
 
 
 def test_an_error_raised_mid_send_ends_the_processes_it_may_have_left_writing(thirteen_blocks, monkeypatch):

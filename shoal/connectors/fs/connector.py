@@ -177,9 +177,9 @@ class FsStore(BlockStore):
     def read_unit(self, keys: Sequence[bytes], spec: BlockSpec) -> UnitReader:
         return _FileReader(self, keys, spec)
 
-    def start_read_processes(self, spec: BlockSpec, tier) -> None:
+    def start_read_processes(self, spec: BlockSpec, tier, readers: int) -> None:
         self._readers = ReadProcesses(self.root, spec, tier.fd, tier.slab.numel(),
-                                      self.read_processes, self._touch_after)
+                                      self.read_processes, self._touch_after, readers)
 
     def read_rows(self, keys: list[bytes], first_row: int, verify: bool) -> list | None:
         if self._readers is None:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 2.0  # how long a read process gets to end after its pipe closes
 NICENESS = 10  # added to a read process's nice value (it runs behind the engine's threads)
 MIN_SHARE = 4  # the fewest blocks of a chunk one read process is given when it is split
+REFILL_S = 0.001  # a thread with shares not sent looks for an idle process this often
 
 # A read process imports only what it runs (no shoal/__init__, no torch): the packages
 # above this module are made as empty namespaces first; and nothing from the engine's
@@ -62,12 +64,14 @@ serve(int(sys.argv[2]), int(sys.argv[3]))
 class ReadProcesses:
     """`count` read processes over the pool at `root`, reading blocks of `spec` (a
     store.base.BlockSpec) into the rows of a slab of `spec.nbytes`-byte rows that the
-    memfd `slab_fd` holds (`slab_nbytes` long)."""
+    memfd `slab_fd` holds (`slab_nbytes` long), for `readers` threads reading through
+    them at once (each splits its chunks among its fair part of the processes)."""
 
     def __init__(self, root: Path, spec, slab_fd: int, slab_nbytes: int, count: int,
-                 touch_after: float | None):
+                 touch_after: float | None, readers: int = 1):
         # blocks read whose header (and payload, if verified there) passed (tests, probes)
         self.num_blocks_read = 0
+        self.readers = max(1, readers)
         self._idle: list[Connection] = []  # ready and not reading
         self._starting: list[Connection] = []  # not ready yet (importing, mapping the slab)
         self._procs: dict[Connection, subprocess.Popen] = {}
@@ -107,56 +111,60 @@ class ReadProcesses:
         raised (BlockMissing, CorruptBlock, OSError). None if no process took the chunk
         (none is ready, or one that took part of it died): the caller reads it.
 
-        The chunk is split evenly among the processes idle now (at least MIN_SHARE blocks
-        each; one is waited for if none is idle), so that a few I/O threads keep many
-        processes reading: the threads' own work (the copies' launch) then queues for the
-        GIL behind fewer threads. Once this returns, no process writes the rows."""
+        The chunk is split in even shares (at least MIN_SHARE blocks each), one for each
+        process of the calling thread's part of them (the `readers` threads share them
+        alike): a few I/O threads keep many processes reading, and the threads' own work
+        (the copies' launch) queues for the GIL behind fewer threads. The thread starts
+        with one process (waited for if none is idle) and those idle now; a share goes to
+        the first of its processes free, or to one that became idle meanwhile. Once this
+        returns, no process writes the rows."""
         if not keys:
             return []
         first = self._take()
         if first is None:
             return None
-        conns = [first] + self._take_idle(len(keys) // MIN_SHARE - 1)
-        unsent = list(zip(conns, _shares(len(keys), len(conns))))
-        pending: list[Connection] = []  # sent a share, not answered yet
-        idle: list[Connection] = []  # to hand back
-        answers: list = []
+        most = max(1, min(self.num_alive // self.readers, len(keys) // MIN_SHARE))
+        unsent = deque(_shares(len(keys), most))
+        hand = [first] + self._take_idle(most - 1)  # ours, not reading
+        pending: dict[Connection, tuple[int, int]] = {}  # sent a share, not answered yet
+        answers: list = [None] * len(keys)
         lost = None
         try:
-            while unsent:
-                conn, (a, b) = unsent.pop(0)
-                if lost is not None:  # (the caller reads the chunk: no more shares)
-                    idle.append(conn)
-                    continue
-                try:
-                    conn.send((keys[a:b], first_row + a, verify))
-                except BaseException as e:  # (a send cut short leaves the pipe unusable)
-                    self._lose(conn, e)
-                    if not isinstance(e, (EOFError, OSError)):
-                        raise
-                    lost = e  # it died: the shares sent are still waited for
-                    continue
-                pending.append(conn)
-            while pending:
-                conn = pending.pop(0)
-                try:
-                    share = conn.recv()
-                except BaseException as e:
-                    self._lose(conn, e)
-                    if not isinstance(e, (EOFError, OSError)):
-                        raise
-                    lost = e
-                    continue
-                idle.append(conn)
-                answers.extend(share)
+            while unsent or pending:
+                if unsent and lost is None:
+                    hand += self._take_idle(min(len(unsent), most - len(pending)) - len(hand))
+                while hand and unsent and lost is None:
+                    conn, (a, b) = hand.pop(0), unsent.popleft()
+                    try:
+                        conn.send((keys[a:b], first_row + a, verify))
+                    except BaseException as e:  # (a send cut short leaves the pipe unusable)
+                        self._lose(conn, e)
+                        if not isinstance(e, (EOFError, OSError)):
+                            raise
+                        lost = e  # it died: the shares sent are still waited for, no more
+                        continue  # are sent (the caller reads the chunk)
+                    pending[conn] = (a, b)
+                if not pending:
+                    break
+                # with shares left, look for a process that became idle every REFILL_S
+                for conn in wait(list(pending), REFILL_S if unsent and lost is None else None):
+                    a, b = pending.pop(conn)
+                    try:
+                        answers[a:b] = conn.recv()
+                    except BaseException as e:
+                        self._lose(conn, e)
+                        if not isinstance(e, (EOFError, OSError)):
+                            raise
+                        lost = e
+                        continue
+                    hand.append(conn)
         except BaseException as e:
             for conn in pending:  # (may still write their rows: ended before this returns)
                 self._lose(conn, e)
-            idle.extend(conn for conn, _ in unsent)
             raise
         finally:
             with self._cond:
-                self._idle.extend(idle)
+                self._idle.extend(hand)
                 self._cond.notify_all()
         if lost is not None:
             return None  # the caller reads the chunk itself

@@ -92,9 +92,9 @@ class BlockStore(abc.ABC):
     # processes this store would read blocks with (read_rows), once given a shared tier
     read_processes = 0
 
-    def start_read_processes(self, spec: BlockSpec, tier) -> None:
+    def start_read_processes(self, spec: BlockSpec, tier, readers: int) -> None:
         """Start `read_processes` processes reading into the shared slab of `tier` (a
-        HostTier made with shared=True)."""
+        HostTier made with shared=True), for `readers` I/O threads reading through them."""
         raise NotImplementedError(f"{type(self).__name__} reads on the I/O threads")
 
     def read_rows(self, keys: list[bytes], first_row: int, verify: bool) -> list | None:
