@@ -525,17 +525,25 @@ def test_bad_fs_options_fail_at_bring_up(tiny_model, tmp_path):
             LLM(tiny_model, kv_connector=ConnectorConfig(name="fs", options=options), **KW)
 
 
-@pytest.mark.parametrize("cpus, on_cpu, on_gpu", [(1, 1, 1), (2, 2, 2), (6, 4, 6),
-                                                   (16, 4, 8)])
+@pytest.mark.parametrize("cpus, on_cpu, on_gpu, procs_on_gpu", [
+    (1, 1, 1, 0), (2, 2, 2, 1), (6, 4, 4, 3), (16, 4, 4, 8), (40, 4, 4, 8)])
 def test_io_threads_default_to_no_more_than_the_usable_cpus(tmp_path, monkeypatch, cpus,
-                                                             on_cpu, on_gpu):
+                                                             on_cpu, on_gpu, procs_on_gpu):
     """Every read is verified on a CPU: more I/O threads than cores only contend. The
-    default is 4 (8 for a KV cache on a GPU) within the CPUs the process may use; an
-    explicit io_threads is kept as given."""
+    default is 4 within the CPUs the process may use. With the KV cache on a GPU, half the
+    CPUs (at most 8) are read processes by default and the threads stay 4; with none
+    (given, or under a read cap) the threads are 8. An explicit io_threads is kept."""
     from shoal.connectors.fs.connector import open_pool
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     root = str(tmp_path / "pool")
-    assert open_pool(ConnectorConfig(name="fs", options={"root": root})).shared.io_threads == on_cpu
-    assert open_pool(ConnectorConfig(name="fs", options={"root": root}), "cuda").shared.io_threads == on_gpu
+    on_cpu_pool = open_pool(ConnectorConfig(name="fs", options={"root": root}))
+    assert (on_cpu_pool.shared.io_threads, on_cpu_pool.read_processes) == (on_cpu, 0)
+    on_gpu_pool = open_pool(ConnectorConfig(name="fs", options={"root": root}), "cuda")
+    assert (on_gpu_pool.shared.io_threads, on_gpu_pool.read_processes) == (on_gpu, procs_on_gpu)
+    for no_procs in ({"read_processes": 0}, {"max_read_gbps": 5.0}):
+        threads_only = open_pool(ConnectorConfig(name="fs", options={"root": root, **no_procs}),
+                                 "cuda")
+        assert threads_only.read_processes == 0
+        assert threads_only.shared.io_threads == min(8, cpus)
     given = ConnectorConfig(name="fs", options={"root": root, "io_threads": 6})
     assert open_pool(given).shared.io_threads == 6

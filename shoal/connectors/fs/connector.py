@@ -9,9 +9,11 @@ over `FsStore`, a directory of block files. Options: those of every store
     root            pool directory (required; created with owner-only permissions)
     max_bytes       optional capacity; the least recently used files are trimmed past it
     read_processes  processes that read block files into the host tier, each with a GIL
-                    of its own (read_procs.py; default 0: the I/O threads read). Used
-                    where blocks move through the tier (a GPU cache, or host_tier_bytes),
-                    and not with max_read_gbps (its cap paces the threads' reads)
+                    of its own (read_procs.py; 0: the I/O threads read). Default: on a
+                    GPU, half the CPUs up to READ_PROCESSES_GPU (the I/O threads then 4);
+                    0 on a CPU and with max_read_gbps. Used where blocks move through the
+                    tier (a GPU cache, or host_tier_bytes), and not with max_read_gbps
+                    (its cap paces the threads' reads)
 
 A lookup is an lstat per block (a request's run: a binary search for its first miss,
 confirmed by a few probes); a read opens the file
@@ -34,7 +36,7 @@ from shoal.connectors.fs import format as pf
 from shoal.connectors.fs.admin import trim_pool
 from shoal.connectors.fs.read_procs import ReadProcesses
 from shoal.connectors.store.base import (BlockSpec, BlockStore, PoolOptions, UnitReader,
-                                         default_io_threads, parse_pool_options)
+                                         default_io_threads, parse_pool_options, usable_cpus)
 from shoal.connectors.store.block_format import BlockMissing, CorruptBlock
 from shoal.connectors.store.load_queue import LoadQueue
 from shoal.connectors.store.scheduler import BlockTransfer, PoolMeta, StoreScheduler
@@ -49,6 +51,10 @@ FsPoolMeta = PoolMeta  # the fs connector's plan is every store's
 TOUCH_INTERVAL_SECONDS = 60.0
 SCAN_BLOCKS = 16  # a lookup of up to this many blocks stopping at a miss checks each in turn
 CONFIRM_PROBES = 8  # blocks inside a run's held prefix checked after the binary search
+# read processes by default with the KV cache on a GPU (at most half the CPUs): an H100
+# host's Llama-1B 8k hit from files loaded whole in 0.037 s with 8 (4 I/O threads) against
+# 0.050 s read by 8 I/O threads (docs/benchmarks.md, twenty-third session)
+READ_PROCESSES_GPU = 8
 
 
 @dataclass(frozen=True)
@@ -63,16 +69,17 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
     """Validate the fs options (ValueError naming the option) and create the pool dirs.
     `device`: where the KV cache lives (the defaults of io_threads and host_tier_bytes)."""
     opts = dict(config.options)
-    shared = parse_pool_options("fs", opts, ("root", "max_bytes", "read_processes"), device)
+    procs = opts.get("read_processes", default_read_processes(device, opts))
+    if isinstance(procs, bool) or not isinstance(procs, int) or not 0 <= procs <= 64:
+        raise ValueError(f"fs connector: read_processes must be an integer in [0, 64], "
+                         f"got {procs!r}")
+    shared = parse_pool_options("fs", opts, ("root", "max_bytes", "read_processes"), device,
+                                read_processes=procs > 0 and opts.get("max_read_gbps") is None)
     if not opts.get("root"):
         raise ValueError("fs connector: options['root'] (the pool directory) is required")
     cap = opts.get("max_bytes")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
         raise ValueError(f"fs connector: max_bytes must be a positive integer, got {cap!r}")
-    procs = opts.get("read_processes", 0)
-    if isinstance(procs, bool) or not isinstance(procs, int) or not 0 <= procs <= 64:
-        raise ValueError(f"fs connector: read_processes must be an integer in [0, 64], "
-                         f"got {procs!r}")
     root = Path(opts["root"]).expanduser()
     try:
         pf.ensure_pool_dirs(root)
@@ -80,6 +87,14 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
         raise ValueError(f"fs connector: root (kv_pool) {str(root)!r} cannot be used as a pool "
                          f"directory: {_why_unusable(root, e)}") from None
     return FsPoolOptions(root, cap, procs, shared)
+
+
+def default_read_processes(device: str, opts: dict) -> int:
+    """On a GPU, half the usable CPUs up to READ_PROCESSES_GPU; none on a CPU (blocks are
+    read straight into the cache) or under a read cap (max_read_gbps)."""
+    if not device.startswith("cuda") or opts.get("max_read_gbps") is not None:
+        return 0
+    return min(READ_PROCESSES_GPU, usable_cpus() // 2)
 
 
 def _why_unusable(root: Path, e: OSError) -> str:

@@ -11,8 +11,8 @@ Options every store-backed connector takes (`parse_pool_options`):
 
     load_mode       "async" (default: loads run on the I/O threads while other requests
                     compute) or "sync" (loads run inside start_load_kv)
-    io_threads      I/O worker threads (default 4, 8 with the KV cache on a GPU; never more
-                    than the CPUs this process may use)
+    io_threads      I/O worker threads (default 4, 8 with the KV cache on a GPU unless
+                    processes read the store; never more than the CPUs this process may use)
     max_read_gbps   optional cap on the rate blocks are read from the store, in GB/s over
                     all I/O threads (a slow or shared store; benchmarks model one)
     host_tier_bytes host memory kept as a cache of recently loaded and saved blocks, per
@@ -125,24 +125,29 @@ class PoolOptions:
     host_tier_bytes: int
 
 
-def default_io_threads(on_gpu: bool) -> int:
-    """4 (8 for a KV cache on a GPU), but no more than the CPUs this process may run on:
-    every read costs CPU time (on a CPU its hash too), and more threads than cores only
-    contend for them and for the GIL (2-core machine, pool-io: loads 7.45 GB/s with 2
-    threads, 5.1-5.4 with 4).
-    The CPUs are the calling thread's affinity (a CPU quota of a container is not seen);
-    set io_threads to override."""
+def default_io_threads(on_gpu: bool, read_processes: bool = False) -> int:
+    """4 (8 for a KV cache on a GPU, unless processes read the files: the threads then
+    only launch copies, and fewer of them queue for the GIL), but no more than the CPUs
+    this process may run on: every read costs CPU time (on a CPU its hash too), and more
+    threads than cores only contend for them and for the GIL (2-core machine, pool-io:
+    loads 7.45 GB/s with 2 threads, 5.1-5.4 with 4). Set io_threads to override."""
+    return max(1, min(8 if on_gpu and not read_processes else 4, usable_cpus()))
+
+
+def usable_cpus() -> int:
+    """The CPUs the calling thread may run on (its affinity: a container's CPU quota is
+    not seen)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8 if on_gpu else 4, cores))
+        return os.cpu_count() or 1
 
 
 def parse_pool_options(name: str, opts: dict[str, Any], own: Sequence[str],
-                       device: str) -> PoolOptions:
+                       device: str, read_processes: bool = False) -> PoolOptions:
     """Validate the shared options (ValueError naming the connector and the option);
-    `own`: the options the connector itself takes (any other name is refused)."""
+    `own`: the options the connector itself takes (any other name is refused);
+    `read_processes`: processes read the store (the default io_threads)."""
     unknown = set(opts) - set(POOL_OPTIONS) - set(own)
     if unknown:
         raise ValueError(f"{name} connector: unknown options {sorted(unknown)}")
@@ -150,7 +155,7 @@ def parse_pool_options(name: str, opts: dict[str, Any], own: Sequence[str],
     if mode not in ("async", "sync"):
         raise ValueError(f"{name} connector: load_mode must be 'async' or 'sync', got {mode!r}")
     on_gpu = device.startswith("cuda")
-    threads = opts.get("io_threads", default_io_threads(on_gpu))
+    threads = opts.get("io_threads", default_io_threads(on_gpu, read_processes))
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
         raise ValueError(f"{name} connector: io_threads must be an integer in [1, 64], "
                          f"got {threads!r}")
