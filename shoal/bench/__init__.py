@@ -79,7 +79,8 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                     "redis:// store instead of the fs pool in a temporary directory")
     io.add_argument("--num-blocks", type=int, default=256)
     io.add_argument("--threads", type=int, help="I/O threads (default: the fs connector's, "
-                    "4 on a CPU, 8 with --device cuda, at most the usable CPUs)")
+                    "4 on a CPU; with --device cuda 8, or 4 where the fs pool's read processes "
+                    "read the files; at most the usable CPUs)")
     io.add_argument("--device", default="cpu", help="cpu, or cuda: GPU blocks of Llama-3.2-1B's "
                     "shape, through the host tier")
     io.add_argument("--rounds", type=int, default=3)
@@ -106,8 +107,11 @@ def run_bench(args: argparse.Namespace) -> int:
                         args.pool_read_gbps, args.source, args.pool, args.skip_load_only,
                         args.block_size)
     if args.bench == "pool-io":
+        from shoal.connectors.fs.connector import default_read_processes
         from shoal.connectors.store.base import default_io_threads
-        threads = args.threads or default_io_threads(args.device.startswith("cuda"))
+        on_gpu = args.device.startswith("cuda")
+        threads = args.threads or default_io_threads(  # (the redis pool has no read processes)
+            on_gpu, args.pool is None and default_read_processes(args.device, {}) > 0)
         if args.pool is not None:
             from shoal.bench.pool_io_redis import run_pool_io_redis
             return run_pool_io_redis(args.pool, args.num_blocks, threads, args.rounds,
