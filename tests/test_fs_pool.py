@@ -526,13 +526,14 @@ def test_bad_fs_options_fail_at_bring_up(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("cpus, on_cpu, on_gpu, procs_on_gpu", [
-    (1, 1, 1, 0), (2, 2, 2, 1), (6, 4, 4, 3), (16, 4, 4, 8), (40, 4, 4, 8)])
+    (1, 1, 1, 0), (2, 2, 2, 0), (6, 4, 6, 0), (8, 4, 4, 4), (16, 4, 4, 8), (40, 4, 4, 8)])
 def test_io_threads_default_to_no_more_than_the_usable_cpus(tmp_path, monkeypatch, cpus,
                                                              on_cpu, on_gpu, procs_on_gpu):
     """Every read is verified on a CPU: more I/O threads than cores only contend. The
-    default is 4 within the CPUs the process may use. With the KV cache on a GPU, half the
-    CPUs (at most 8) are read processes by default and the threads stay 4; with none
-    (given, or under a read cap) the threads are 8. An explicit io_threads is kept."""
+    default is 4 within the CPUs the process may use. With the KV cache on a GPU and 8 CPUs
+    or more, half the CPUs (at most 8) are read processes by default and the threads stay
+    4; with none (fewer CPUs, given, or under a read cap) the threads are 8. An explicit
+    io_threads is kept."""
     from shoal.connectors.fs.connector import open_pool
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     root = str(tmp_path / "pool")

@@ -262,17 +262,66 @@ def test_a_chunk_splits_evenly_in_order_and_an_empty_read_takes_no_process(thirt
     assert readers.num_blocks_read == 13 and len(readers._idle) == 3
 
 
-def test_a_thread_takes_its_part_of_the_processes(thirteen_blocks):
-    """Three processes shared by two threads: a thread's chunk goes to one process, whole;
-    every process is handed back."""
+@pytest.mark.parametrize("num_readers, num_reading", [(2, 2), (3, 1)])
+def test_a_thread_takes_its_part_of_the_processes(thirteen_blocks, num_readers, num_reading):
+    """Three processes for `num_readers` I/O threads: a thread's chunk is split among its
+    part, rounded up (2 of 3 for 2 threads, 1 for 3); every process is handed back."""
     readers, keys, rows = thirteen_blocks
-    readers.readers = 2
+    readers.readers = num_readers
     pids = readers.pids
     before = {pid: rchar(pid) for pid in pids}
     assert all(isinstance(c, int) for c in readers.read(keys, 1, True))
     assert [int(rows[1 + i, 0, 0]) for i in range(13)] == list(range(13))
-    grew = sorted(rchar(pid) - before[pid] for pid in pids)
-    assert grew[:2] == [0, 0] and grew[2] > 0 and len(readers._idle) == 3
+    grew = [rchar(pid) - before[pid] for pid in pids]
+    assert sum(g > 0 for g in grew) == num_reading and len(readers._idle) == 3
+
+
+def test_threads_reading_at_once_while_a_process_dies_end_with_every_process_idle(
+        thirteen_blocks):
+    """Four threads read at once, 20 chunks each, while one of the three processes is
+    killed: no read hangs, each answers its chunk whole (or None: the thread reads it),
+    the rows hold the blocks, and the two processes left are idle at the end."""
+    import threading
+
+    readers, keys, rows = thirteen_blocks
+    readers.readers = 4
+    results, errors = [], []
+    started = threading.Barrier(5)
+
+    def reads():
+        started.wait()
+        try:
+            for _ in range(20):
+                results.append(readers.read(keys, 0, True))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=reads) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    victim = readers.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors
+    assert len(results) == 80 and any(r is not None for r in results)
+    assert all(r is None or (len(r) == 13 and all(isinstance(c, int) for c in r))
+               for r in results)
+    assert [int(rows[i, 0, 0]) for i in range(13)] == list(range(13))
+    readers.readers = 1  # a read takes every process: it meets the dead one if none has
+    readers.read(keys, 0, True)
+    assert readers.read(keys, 0, True) is not None
+    assert readers.num_alive == 2 and len(readers._idle) == 2
+
+
+@pytest.mark.parametrize("load_mode, num_readers", [("async", 3), ("sync", 1)])
+def test_the_processes_are_shared_by_the_threads_that_read(tiny_model, tmp_path, load_mode,
+                                                           num_readers):
+    """Async loads: the I/O threads share the processes; sync loads: the one thread that
+    loads (inside start_load_kv) has them all."""
+    with LLM(tiny_model, kv_connector=pool_with(tmp_path, 2, io_threads=3, load_mode=load_mode),
+             **KW) as llm:
+        assert readers(llm).readers == num_readers
 
 
 def test_a_process_that_becomes_idle_takes_a_share_left(thirteen_blocks, monkeypatch):

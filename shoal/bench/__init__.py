@@ -79,8 +79,8 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
                     "redis:// store instead of the fs pool in a temporary directory")
     io.add_argument("--num-blocks", type=int, default=256)
     io.add_argument("--threads", type=int, help="I/O threads (default: the fs connector's, "
-                    "4 on a CPU; with --device cuda 8, or 4 where the fs pool's read processes "
-                    "read the files; at most the usable CPUs)")
+                    "4 on a CPU; with --device cuda, 4 where the fs pool's read processes read "
+                    "the files (8 CPUs or more), else 8; at most the usable CPUs)")
     io.add_argument("--device", default="cpu", help="cpu, or cuda: GPU blocks of Llama-3.2-1B's "
                     "shape, through the host tier")
     io.add_argument("--rounds", type=int, default=3)

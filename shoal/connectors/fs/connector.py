@@ -10,10 +10,10 @@ over `FsStore`, a directory of block files. Options: those of every store
     max_bytes       optional capacity; the least recently used files are trimmed past it
     read_processes  processes that read block files into the host tier, each with a GIL
                     of its own (read_procs.py; 0: the I/O threads read). Default: on a
-                    GPU, half the CPUs up to READ_PROCESSES_GPU (the I/O threads then 4);
-                    0 on a CPU and with max_read_gbps. Used where blocks move through the
-                    tier (a GPU cache, or host_tier_bytes), and not with max_read_gbps
-                    (its cap paces the threads' reads)
+                    GPU with 8 CPUs or more, half the CPUs up to READ_PROCESSES_GPU (the
+                    I/O threads then 4); 0 on a CPU and with max_read_gbps. Used where
+                    blocks move through the tier (a GPU cache, or host_tier_bytes), and
+                    not with max_read_gbps (its cap paces the threads' reads)
 
 A lookup is an lstat per block (a request's run: a binary search for its first miss,
 confirmed by a few probes); a read opens the file
@@ -55,6 +55,7 @@ CONFIRM_PROBES = 8  # blocks inside a run's held prefix checked after the binary
 # host's Llama-1B 8k hit from files loaded whole in 0.037 s with 8 (4 I/O threads) against
 # 0.050 s read by 8 I/O threads (docs/benchmarks.md, twenty-third session)
 READ_PROCESSES_GPU = 8
+MIN_CPUS_FOR_PROCESSES = 8  # (fewer: the I/O threads read, as on a CPU)
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,15 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
 
 
 def default_read_processes(device: str, opts: dict) -> int:
-    """On a GPU, half the usable CPUs up to READ_PROCESSES_GPU; none on a CPU (blocks are
-    read straight into the cache) or under a read cap (max_read_gbps)."""
-    if not device.startswith("cuda") or opts.get("max_read_gbps") is not None:
+    """On a GPU: half the usable CPUs, up to READ_PROCESSES_GPU. None on a CPU (blocks are
+    read straight into the cache), under a read cap (max_read_gbps), or with fewer than
+    MIN_CPUS_FOR_PROCESSES CPUs (then no more processes than I/O threads; the processes
+    were only measured on a 16-CPU host)."""
+    cpus = usable_cpus()
+    if (not device.startswith("cuda") or opts.get("max_read_gbps") is not None
+            or cpus < MIN_CPUS_FOR_PROCESSES):
         return 0
-    return min(READ_PROCESSES_GPU, usable_cpus() // 2)
+    return min(READ_PROCESSES_GPU, cpus // 2)
 
 
 def _why_unusable(root: Path, e: OSError) -> str:

@@ -10,13 +10,13 @@ of 8k tokens from files ran at ~8 GB/s.
 A read process has a GIL of its own and no torch: it maps the tier's slab (a memfd the
 engine's process made and pinned, host_tier.py) and reads each block file straight into
 its slot, with every check of the in-process read (format.read_block_into). An I/O thread
-hands one process a unit's blocks in one message and waits, off the GIL, for one answer:
-per block the header's checksum of its payload, or why it is not usable. The processes
-start at bring-up; they end when the pipe closes (the worker's shutdown, or the engine's
-process dying).
+splits a chunk among its part of the processes (`ReadProcesses.read`), sends each its
+share in one message and waits, off the GIL, for the answers: per block the header's
+checksum of its payload, or why it is not usable. The processes start at bring-up; they
+end when the pipe closes (the worker's shutdown, or the engine's process dying).
 
-A process that dies fails the blocks it was given (missing: they are recomputed) and is
-not used again; with none left, the I/O threads read the files themselves.
+A process that dies is not used again, and the thread whose share it held reads that
+chunk itself; with none left, the I/O threads read the files themselves.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class ReadProcesses:
         first = self._take()
         if first is None:
             return None
-        most = max(1, min(self.num_alive // self.readers, len(keys) // MIN_SHARE))
+        # (rounded up: a part rounded down leaves processes idle while threads read)
+        most = max(1, min(-(-self.num_alive // self.readers), len(keys) // MIN_SHARE))
         unsent = deque(_shares(len(keys), most))
         hand = [first] + self._take_idle(most - 1)  # ours, not reading
         pending: dict[Connection, tuple[int, int]] = {}  # sent a share, not answered yet
@@ -144,10 +145,19 @@ class ReadProcesses:
                         lost = e  # it died: the shares sent are still waited for, no more
                         continue  # are sent (the caller reads the chunk)
                     pending[conn] = (a, b)
+                if hand and (not unsent or lost is not None):  # nothing more for them
+                    self._hand_back(hand)
+                    hand = []
                 if not pending:
                     break
-                # with shares left, look for a process that became idle every REFILL_S
-                for conn in wait(list(pending), REFILL_S if unsent and lost is None else None):
+                try:  # with shares left, a process that became idle is looked for often
+                    ready = wait(list(pending), REFILL_S if unsent and lost is None else None)
+                except OSError as e:  # (one closed by `close`: the engine is shutting down)
+                    for conn in pending:
+                        self._lose(conn, e)
+                    pending, lost = {}, e
+                    continue
+                for conn in ready:
                     a, b = pending.pop(conn)
                     try:
                         answers[a:b] = conn.recv()
@@ -163,14 +173,19 @@ class ReadProcesses:
                 self._lose(conn, e)
             raise
         finally:
-            with self._cond:
-                self._idle.extend(hand)
-                self._cond.notify_all()
+            self._hand_back(hand)
         if lost is not None:
             return None  # the caller reads the chunk itself
         with self._cond:
             self.num_blocks_read += sum(isinstance(a, int) for a in answers)
         return [_outcome(a) for a in answers]
+
+    def _hand_back(self, conns: list[Connection]) -> None:
+        """Processes a thread took, idle again."""
+        if conns:
+            with self._cond:
+                self._idle.extend(conns)
+                self._cond.notify_all()
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until no process is still starting; True if none

@@ -114,7 +114,9 @@ class StoreWorker(UnitIO, KvConnectorWorker):
         tier = None
         try:
             tier = HostTier(nbytes, num_pages, per_page, pinned=not self.on_cpu, shared=True)
-            self.store.start_read_processes(self.spec, tier, self._num_threads)
+            # (sync loads: one thread reads, inside start_load_kv)
+            self.store.start_read_processes(self.spec, tier,
+                                            self._num_threads if self.is_async else 1)
             self.tier = tier
         except (OSError, RuntimeError) as e:
             log.warning("pool read processes not started (%s): the I/O threads read", e)
