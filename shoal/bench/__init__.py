@@ -111,7 +111,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from shoal.connectors.store.base import default_io_threads
         on_gpu = args.device.startswith("cuda")
         threads = args.threads or default_io_threads(  # (the redis pool has no read processes)
-            on_gpu, args.pool is None and default_read_processes(args.device, {}) > 0)
+            on_gpu, args.pool is None and default_read_processes(args.device) > 0)
         if args.pool is not None:
             from shoal.bench.pool_io_redis import run_pool_io_redis
             return run_pool_io_redis(args.pool, args.num_blocks, threads, args.rounds,

@@ -70,12 +70,13 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
     """Validate the fs options (ValueError naming the option) and create the pool dirs.
     `device`: where the KV cache lives (the defaults of io_threads and host_tier_bytes)."""
     opts = dict(config.options)
-    procs = opts.get("read_processes", default_read_processes(device, opts))
+    capped = opts.get("max_read_gbps") is not None  # (the threads read, at the cap's pace)
+    procs = opts.get("read_processes", default_read_processes(device, capped))
     if isinstance(procs, bool) or not isinstance(procs, int) or not 0 <= procs <= 64:
         raise ValueError(f"fs connector: read_processes must be an integer in [0, 64], "
                          f"got {procs!r}")
     shared = parse_pool_options("fs", opts, ("root", "max_bytes", "read_processes"), device,
-                                read_processes=procs > 0 and opts.get("max_read_gbps") is None)
+                                read_processes=procs > 0 and not capped)
     if not opts.get("root"):
         raise ValueError("fs connector: options['root'] (the pool directory) is required")
     cap = opts.get("max_bytes")
@@ -90,14 +91,13 @@ def open_pool(config: ConnectorConfig, device: str = "cpu") -> FsPoolOptions:
     return FsPoolOptions(root, cap, procs, shared)
 
 
-def default_read_processes(device: str, opts: dict) -> int:
+def default_read_processes(device: str, capped: bool = False) -> int:
     """On a GPU: half the usable CPUs, up to READ_PROCESSES_GPU. None on a CPU (blocks are
-    read straight into the cache), under a read cap (max_read_gbps), or with fewer than
-    MIN_CPUS_FOR_PROCESSES CPUs (then no more processes than I/O threads; the processes
-    were only measured on a 16-CPU host)."""
+    read straight into the cache), under a read cap (`capped`: max_read_gbps), or with
+    fewer than MIN_CPUS_FOR_PROCESSES CPUs (there they would be fewer than the I/O
+    threads; the processes were only measured on a 16-CPU host)."""
     cpus = usable_cpus()
-    if (not device.startswith("cuda") or opts.get("max_read_gbps") is not None
-            or cpus < MIN_CPUS_FOR_PROCESSES):
+    if not device.startswith("cuda") or capped or cpus < MIN_CPUS_FOR_PROCESSES:
         return 0
     return min(READ_PROCESSES_GPU, cpus // 2)
 

@@ -139,11 +139,8 @@ class ReadProcesses:
                     try:
                         conn.send((keys[a:b], first_row + a, verify))
                     except BaseException as e:  # (a send cut short leaves the pipe unusable)
-                        self._lose(conn, e)
-                        if not isinstance(e, (EOFError, OSError)):
-                            raise
-                        lost = e  # it died: the shares sent are still waited for, no more
-                        continue  # are sent (the caller reads the chunk)
+                        lost = self._fail(conn, e)  # the shares sent are still waited for,
+                        continue  # no more are sent (the caller reads the chunk)
                     pending[conn] = (a, b)
                 if hand and (not unsent or lost is not None):  # nothing more for them
                     self._hand_back(hand)
@@ -162,10 +159,7 @@ class ReadProcesses:
                     try:
                         answers[a:b] = conn.recv()
                     except BaseException as e:
-                        self._lose(conn, e)
-                        if not isinstance(e, (EOFError, OSError)):
-                            raise
-                        lost = e
+                        lost = self._fail(conn, e)
                         continue
                     hand.append(conn)
         except BaseException as e:
@@ -179,6 +173,14 @@ class ReadProcesses:
         with self._cond:
             self.num_blocks_read += sum(isinstance(a, int) for a in answers)
         return [_outcome(a) for a in answers]
+
+    def _fail(self, conn: Connection, error: BaseException) -> BaseException:
+        """A process whose pipe failed mid-read is lost; `error` is returned if it is a
+        broken pipe (the process died), else raised."""
+        self._lose(conn, error)
+        if not isinstance(error, (EOFError, OSError)):
+            raise error
+        return error
 
     def _hand_back(self, conns: list[Connection]) -> None:
         """Processes a thread took, idle again."""
