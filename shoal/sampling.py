@@ -20,6 +20,16 @@ MAX_LOGIT_BIAS = 100.0  # |bias| at most (OpenAI's range)
 MAX_LOGIT_BIAS_ENTRIES = 300  # token ids one request may bias (OpenAI's limit)
 
 
+# the numeric fields' ranges. Integers: (low, high); high None: no bound. Reals: (low,
+# high, whether low itself is refused); math.inf: no bound
+_INT_RANGES = {"max_tokens": (1, None), "top_k": (0, None), "seed": (SEED_MIN, SEED_MAX),
+               "logprobs": (0, MAX_LOGPROBS), "prompt_logprobs": (0, MAX_LOGPROBS)}
+_OPTIONAL = ("seed", "logprobs", "prompt_logprobs")  # None: off
+_REAL_RANGES = {"temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, True),
+                "min_p": (0.0, 1.0, False), "repetition_penalty": (0.0, math.inf, True),
+                "frequency_penalty": (-2.0, 2.0, False), "presence_penalty": (-2.0, 2.0, False)}
+
+
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"SamplingParams.{name} must be an integer, got {value!r}")
@@ -28,9 +38,15 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"SamplingParams.{name} must be an integer {allowed}, got {value!r}")
 
 
-def _check_real(name: str, value) -> None:
+def _check_real(name: str, value, low: float = -math.inf, high: float = math.inf,
+                open_low: bool = False) -> None:
+    """ValueError unless `value` is a finite number in [low, high] ((low, high] if open_low)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+    if value < low or value > high or (open_low and value == low):
+        allowed = (f"{'>' if open_low else '>='} {low:g}" if high == math.inf else
+                   f"in {'(' if open_low else '['}{low:g}, {high:g}]")
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,39 +75,20 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_real("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
-        _check_real("top_p", self.top_p)
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        _check_int("top_k", self.top_k, 0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        for name, (low, high) in _INT_RANGES.items():
+            if name not in _OPTIONAL or getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low, high)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        for name, bounds in _REAL_RANGES.items():
+            _check_real(name, getattr(self, name), *bounds)
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError("SamplingParams.stop_token_ids must be a sequence of ints, got "
                             f"{type(self.stop_token_ids).__name__}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
-        for name, low, high in (("min_p", 0.0, 1.0), ("frequency_penalty", -2.0, 2.0),
-                                ("presence_penalty", -2.0, 2.0)):
-            _check_real(name, getattr(self, name))
-            if not low <= getattr(self, name) <= high:
-                raise ValueError(f"SamplingParams.{name} must be in [{low:g}, {high:g}], got "
-                                 f"{getattr(self, name)!r}")
-        _check_real("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0:
-            raise ValueError("SamplingParams.repetition_penalty must be > 0, got "
-                             f"{self.repetition_penalty!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.structured_output is not None and not isinstance(self.structured_output,
                                                                  StructuredOutput):
