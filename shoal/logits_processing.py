@@ -2,7 +2,9 @@
 frequency and presence penalties, logit_bias, and min_tokens (stop tokens barred), as
 OpenAI and vLLM define them. Batched over the rows that asked; rows that did not are left
 alone, so greedy output is unchanged when none of these is set. Then, for the rows that
-sample, the min-p, top-k and top-p filters, and the Gumbel noise they draw with.
+sample, the min-p, top-k and top-p filters, and the Gumbel noise they draw with. Apart
+from the sampler, the log-probabilities a request may ask for (`compute_logprobs`: of the
+raw logits, before any of the above).
 
 The penalties need the tokens each request has produced. Those are counted on the device as
 they are sampled (`TokenCounts`), so a step never waits for the previous step's tokens to
@@ -10,6 +12,8 @@ reach the host (the overlap loop samples step n+1 before step n's tokens are rea
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -136,3 +140,38 @@ def gumbel_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.
     x = x ^ _shift_right(x, 31)
     u = (_shift_right(x, 11).double() + 0.5) * 2.0 ** -53  # uniform in (0, 1)
     return -torch.log(-torch.log(u))
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model (log_softmax of the raw logits,
+    before temperature, top-k and top-p) and the most likely tokens of that position."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; k entries
+    rank: int = 0  # 1 + how many tokens are more likely (0: not computed)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
+                     num_top: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row of `logits` [N, vocab]: the logprobs of `token_ids[row]` and the top
+    `num_top[row]` tokens, or None where the row's request did not ask (num_top None).
+    Separate from the sampler: only the rows that asked are touched."""
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    out: list[TokenLogprobs | None] = [None] * len(num_top)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, vocab]
+    sampled = torch.tensor([token_ids[i] for i in rows], device=logits.device)
+    chosen_t = logp.gather(1, sampled[:, None])
+    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
+    k = max(num_top[i] for i in rows)
+    top_values, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = num_top[i]
+        out[i] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])),
+                               ranks[j])
+    return out

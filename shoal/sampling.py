@@ -11,6 +11,9 @@ import torch
 
 from shoal.logits_processing import (TokenCounts, add_at, apply_penalties, gumbel_noise,
                                      min_p_filter, signed64, top_k_top_p_filter)
+# (re-exported: the logprobs a request may ask for, and their records in its output)
+from shoal.logits_processing import TokenLogprobs as TokenLogprobs
+from shoal.logits_processing import compute_logprobs as compute_logprobs
 from shoal.structured_output import Grammars, StructuredOutput, mask_logits_
 from shoal.util import HostCopy, to_device
 
@@ -125,41 +128,6 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
         raise ValueError(f"SamplingParams.logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} "
                          f"token ids, got {len(pairs)}")
     return tuple(sorted(pairs.items()))
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A sampled token's log-probability under the model (log_softmax of the raw logits,
-    before temperature, top-k and top-p) and the most likely tokens of that position."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; k entries
-    rank: int = 0  # 1 + how many tokens are more likely (0: not computed)
-
-
-def compute_logprobs(logits: torch.Tensor, token_ids: list[int],
-                     num_top: list[int | None]) -> list[TokenLogprobs | None]:
-    """Per row of `logits` [N, vocab]: the logprobs of `token_ids[row]` and the top
-    `num_top[row]` tokens, or None where the row's request did not ask (num_top None).
-    Separate from the sampler: only the rows that asked are touched."""
-    rows = [i for i, k in enumerate(num_top) if k is not None]
-    out: list[TokenLogprobs | None] = [None] * len(num_top)
-    if not rows:
-        return out
-    index = torch.tensor(rows, device=logits.device)
-    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, vocab]
-    sampled = torch.tensor([token_ids[i] for i in rows], device=logits.device)
-    chosen_t = logp.gather(1, sampled[:, None])
-    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
-    chosen = chosen_t[:, 0].tolist()
-    k = max(num_top[i] for i in rows)
-    top_values, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(rows):
-        n = num_top[i]
-        out[i] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])),
-                               ranks[j])
-    return out
 
 
 class Sampler:
