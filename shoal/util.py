@@ -48,6 +48,31 @@ class HostCopy:
         return self._list
 
 
+class HostBuffers:
+    """Two int32 host buffers (pinned for a GPU) used in turn for host-to-device copies:
+    `take()` returns the next one once the copy last sent from it has run; `sent()` marks
+    the copy from it just queued."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.size = size
+        self._buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
+                         for _ in range(2)]
+        # an event not yet recorded counts as done: synchronize() returns at once
+        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self._turn = 0
+
+    def take(self) -> torch.Tensor:
+        self._turn ^= 1
+        if self._events is not None:
+            self._events[self._turn].synchronize()
+        return self._buffers[self._turn]
+
+    def sent(self) -> None:
+        if self._events is not None:
+            self._events[self._turn].record()
+
+
 GPU_GIL_SWITCH_SECONDS = 100e-6
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shoal.engine.step_inputs import HostBuffers, StepRows, aligned_starts
+from shoal.engine.step_inputs import StepRows, aligned_starts
 from shoal.engine.table_rows import TableRows
-from shoal.util import cdiv
+from shoal.util import HostBuffers, cdiv
 from shoal.model.llama import AttentionMetadata, PagedInputs
 from shoal.model.paged_attention import PREFILL_TILE, prefill_parts
 

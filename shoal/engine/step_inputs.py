@@ -2,8 +2,8 @@
 
 `StepRows.of` builds them with numpy over the whole batch. The eager forward sends them in
 one non-blocking copy from a pinned buffer (`StepInputs`; the buffers alternate, as a step
-launches before the last one finished: `HostBuffers`); a CUDA graph copies them into its
-padded layout. See docs/design.md, "Attention on a GPU".
+launches before the last one finished: shoal.util.HostBuffers); a CUDA graph copies them
+into its padded layout. See docs/design.md, "Attention on a GPU".
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from shoal.engine.table_rows import TableRows
-from shoal.util import cdiv
+from shoal.util import HostBuffers, cdiv
 
 ALIGN = 16  # int32 elements: 64 bytes
 
@@ -85,31 +85,6 @@ class StepRows:
         return cls(ids, positions, slot_blocks, positions % block_size, starts, lens, ctxs,
                    (ends - 1)[sampling], (ends - 1)[holes > 0], np.asarray(sources, i32),
                    np.asarray(rows, i32), np.asarray(indices, i32), np.asarray(values, i32))
-
-
-class HostBuffers:
-    """Two int32 host buffers (pinned for a GPU) used in turn for host-to-device copies:
-    `take()` returns the next one once the copy last sent from it has run; `sent()` marks
-    the copy from it just queued."""
-
-    def __init__(self, size: int, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.size = size
-        self._buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
-                         for _ in range(2)]
-        # an event not yet recorded counts as done: synchronize() returns at once
-        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
-        self._turn = 0
-
-    def take(self) -> torch.Tensor:
-        self._turn ^= 1
-        if self._events is not None:
-            self._events[self._turn].synchronize()
-        return self._buffers[self._turn]
-
-    def sent(self) -> None:
-        if self._events is not None:
-            self._events[self._turn].record()
 
 
 class StepInputs:
