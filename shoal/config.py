@@ -10,6 +10,7 @@ import torch
 from shoal.connectors.base import ConnectorConfig
 
 MAX_CPU_RANKS = 16  # rank processes one machine may spawn for CPU runs
+OPTIONAL = ("num_kv_blocks", "max_model_len")  # None: sized or capped by the model
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -38,15 +39,10 @@ class EngineConfig:
     kv_connector: ConnectorConfig | None = None  # the KV pool connector; None = no pool
 
     def __post_init__(self) -> None:
-        _int_at_least("block_size", self.block_size, 1, 4096)
-        _int_at_least("max_batch_size", self.max_batch_size, 1)
-        _int_at_least("max_num_tokens", self.max_num_tokens, 1)
-        _int_at_least("dp_size", self.dp_size, 1)
-        _int_at_least("tp_size", self.tp_size, 1)
-        if self.num_kv_blocks is not None:
-            _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
-        if self.max_model_len is not None:
-            _int_at_least("max_model_len", self.max_model_len, 1)
+        for name in ("block_size", "max_batch_size", "max_num_tokens", "dp_size", "tp_size",
+                     "num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None or name not in OPTIONAL:
+                _int_at_least(name, getattr(self, name), 1, 4096 if name == "block_size" else None)
         if (isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))
                 or not math.isfinite(self.kv_cache_gb) or self.kv_cache_gb <= 0):
             raise ValueError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb!r}")
