@@ -35,18 +35,19 @@ IDLE_WAIT_SECONDS = 0.002
 PROBE_TOKENS_GPU, PROBE_TOKENS_CPU = 8192, 128
 
 STAT_KEYS = (
-    "iterations", "forward_passes", "forward_passes_skipped", "control_collectives",
-    "pool_lookups", "pool_hit_blocks", "pool_miss_blocks", "connector_tokens_loaded",
-    "bytes_loaded", "bytes_saved", "load_seconds", "save_seconds", "corrupt_blocks",
-    "load_failures_recomputed", "deadline_expiries", "cancellations",
-    "preemptions", "local_prefix_hit_tokens", "prompt_tokens", "generated_tokens",
-    "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved", "load_gbps", "save_gbps",
-    "kv_blocks_used", "control_seconds", "forward_seconds", "transfers_aborted",
-    "host_tier_hit_blocks", "pool_hits_loaded", "pool_hits_split", "pool_hits_computed",
-    "front_tokens_computed", "prefill_tokens_per_s", "load_tokens_per_s", "load_latency_s",
-    "host_load_tokens_per_s", "host_load_latency_s", "pool_hit_host_tokens", "front_slowdown",
-    "load_slowdown",
+    "iterations", "forward_passes", "forward_passes_skipped", "control_collectives", "pool_lookups",
+    "pool_hit_blocks", "pool_miss_blocks", "connector_tokens_loaded", "bytes_loaded", "bytes_saved",
+    "load_seconds", "save_seconds", "corrupt_blocks", "load_failures_recomputed",
+    "deadline_expiries", "cancellations", "preemptions", "local_prefix_hit_tokens", "prompt_tokens",
+    "generated_tokens", "missing_blocks", "save_failures", "blocks_loaded", "blocks_saved",
+    "load_gbps", "save_gbps", "kv_blocks_used", "control_seconds", "forward_seconds",
+    "transfers_aborted", "host_tier_hit_blocks", "pool_hits_loaded", "pool_hits_split",
+    "pool_hits_computed", "front_tokens_computed", "prefill_tokens_per_s", "load_tokens_per_s",
+    "load_latency_s", "host_load_tokens_per_s", "host_load_latency_s", "pool_hit_host_tokens",
+    "front_slowdown", "load_slowdown",
 )
+
+
 @dataclass
 class _Executed:
     """What executing one batch produced (on the executing thread)."""
@@ -124,9 +125,8 @@ class Engine:
         if rid in self._live:
             raise ValueError(f"request_id {rid!r} is already in use")
         new.check_vocab(self.info.vocab_size)
-        sampling = new.sampling
         stop = new.stop_ids(self.eos_token_ids, self.tokenizer)
-        req = Request(rid, list(new.prompt_token_ids), sampling, stop,
+        req = Request(rid, list(new.prompt_token_ids), new.sampling, stop,
                       cache_salt=new.cache_salt, prompt=new.prompt)
         try:
             self.scheduler.add(req)
@@ -231,10 +231,13 @@ class Engine:
             # an eager step's time, from when its thread took it up to its samples on the host
             if self.transfers is not None and out.started is not None:
                 self.transfers.planner.observe_step(batch, time.perf_counter() - out.started)
-            outcome = None
-            if out.transfers is not None:
-                outcome = self.transfers.apply(batch.transfers, out.transfers)
-            asked = self._logprobs_asked(batch, out.logprobs)
+            outcome = (None if out.transfers is None
+                       else self.transfers.apply(batch.transfers, out.transfers))
+            # (request, its output count before the update, TokenLogprobs) of each sample
+            # whose request asked for logprobs (a sample the update drops gets none)
+            sampling = [c.request for c in batch.chunks if c.is_sampling]
+            asked = [(req, len(req.output_token_ids), lp)
+                     for req, lp in zip(sampling, out.logprobs or ()) if lp is not None]
             for rid, position, lp in out.prompt_logprobs:  # a recompute writes the same again
                 self._prompt_logprobs.setdefault(rid, {})[position] = lp
             # a step still in flight may write the blocks of requests ending now
@@ -271,24 +274,13 @@ class Engine:
                 self._counts["prompt_tokens"] += req.num_prompt_tokens
                 self._counts["generated_tokens"] += len(req.output_token_ids)
                 self._counts["local_prefix_hit_tokens"] += req.num_local_prefix_tokens or 0
-                result.finished.append(RequestOutput.from_request(req))
-                result.finished[-1].logprobs = self._logprobs.pop(req.request_id, None)
-                by_position = self._prompt_logprobs.pop(req.request_id, None)
+                out = RequestOutput.from_request(req)
+                out.logprobs = self._logprobs.pop(req.request_id, None)
+                by_position = self._prompt_logprobs.pop(req.request_id, {})
                 if req.sampling.prompt_logprobs is not None:
-                    by_position = by_position or {}
-                    result.finished[-1].prompt_logprobs = [
-                        by_position.get(p) for p in range(req.num_prompt_tokens)]
+                    out.prompt_logprobs = [by_position.get(p) for p in range(req.num_prompt_tokens)]
+                result.finished.append(out)
         return result
-
-    @staticmethod
-    def _logprobs_asked(batch: ScheduledBatch, logprobs: list | None) -> list:
-        """(request, its output count before the update, TokenLogprobs) of each sample
-        whose request asked for logprobs (a sample the update drops gets none)."""
-        if logprobs is None:
-            return []
-        sampling = [c.request for c in batch.chunks if c.is_sampling]
-        return [(req, len(req.output_token_ids), lp)
-                for req, lp in zip(sampling, logprobs) if lp is not None]
 
     # -- the rest ------------------------------------------------------------------------------
 
