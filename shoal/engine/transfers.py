@@ -100,9 +100,8 @@ class KVTransfers:
         of (part of) the hit is pending; the request's front computes only what
         `front_tokens` allows until the load has landed and the front reached it."""
         block_ids = list(req.block_ids)
-        self.calls.ask("update_state_after_alloc",
-                  lambda s: s.update_state_after_alloc(request_view(req, self.ctx), block_ids), None,
-                  req.request_id)
+        self.calls.ask("update_state_after_alloc", lambda s: s.update_state_after_alloc(
+            request_view(req, self.ctx), block_ids), None, req.request_id)
         req.pool_hit = None
         if not num_external:
             return False
@@ -127,11 +126,10 @@ class KVTransfers:
         if load_from >= end:  # computing it is faster: nothing is loaded
             hit.num_front_tokens = num_external
             return False
-        self._loads[req.request_id] = PendingLoad(req, num_cached, num_external, hit,
-                                            self.partial_loads, load_from, end, load_from,
-                                            first_tokens=first_tokens, host_share=host_share,
-                                            admitted=now, started=None if ahead else now,
-                                            behind=bool(ahead))
+        self._loads[req.request_id] = PendingLoad(
+            req, num_cached, num_external, hit, self.partial_loads, load_from, end, load_from,
+            first_tokens=first_tokens, host_share=host_share, admitted=now,
+            started=None if ahead else now, behind=bool(ahead))
         self._new_loads.append(req)
         self.deadlines.start(req.request_id)
         return True
@@ -222,13 +220,12 @@ class KVTransfers:
             if load is not None:
                 out.ended.append(_ended(load, "the KV load did not finish within its deadline "
                                         "and was aborted"))
-            if self._end_save_episode(rid):
-                req = self._saving.pop(rid, None)
-                if req is not None:  # its tokens stand; the save is what failed
-                    if req.finish_reason != "cancelled":
-                        req.finish_reason = "error"
-                        req.error = "the KV save did not finish within its deadline and was aborted"
-                    out.released.append(req)
+            req = self._end_save_episode(rid)
+            if req is not None:  # its tokens stand; the save is what failed
+                if req.finish_reason != "cancelled":
+                    req.finish_reason = "error"
+                    req.error = "the KV save did not finish within its deadline and was aborted"
+                out.released.append(req)
         for rid, progress in report.progress.items():
             load = self._loads.get(rid)
             if load is not None:
@@ -255,8 +252,7 @@ class KVTransfers:
             epoch = plan.save_epochs.get(rid)
             if epoch is None or self._save_epochs.get(rid) != epoch:
                 continue  # not asked, or about an earlier episode
-            self._end_save_episode(rid)
-            req = self._saving.pop(rid, None)
+            req = self._end_save_episode(rid)
             if req is not None:
                 out.released.append(req)
         self.num_moves += len(out.ended) + len(out.released) + len(report.finished_loading)
@@ -294,9 +290,8 @@ class KVTransfers:
         if not seen and req.request_id not in self._pins:
             return False
         block_ids = list(req.block_ids)
-        if not self.calls.ask("request_finished",
-                         lambda s: s.request_finished(request_view(req, self.ctx), block_ids), True,
-                         req.request_id):
+        if not self.calls.ask("request_finished", lambda s: s.request_finished(
+                request_view(req, self.ctx), block_ids), True, req.request_id):
             return False
         self._new_save_episode(req.request_id)
         self._saving[req.request_id] = req
@@ -336,14 +331,15 @@ class KVTransfers:
         self._save_epochs[request_id] = self._save_epochs.get(request_id, 0) + 1
         self.deadlines.start(request_id)
 
-    def _end_save_episode(self, request_id: str) -> bool:
+    def _end_save_episode(self, request_id: str) -> Request | None:
         """The request's pending save episode ends (reported, or aborted: nothing of it runs
-        any more); its pins are released. False if none was pending."""
+        any more); its pins are released. Returns the request if it was SAVING (no longer);
+        None if it was not, or no episode was pending."""
         if self._save_epochs.pop(request_id, None) is None:
-            return False
+            return None
         self.pool.free(self._pins.pop(request_id, []))
         self._end_deadline(request_id)
-        return True
+        return self._saving.pop(request_id, None)
 
     def _end_load(self, request_id: str) -> PendingLoad | None:
         load = self._loads.pop(request_id, None)
