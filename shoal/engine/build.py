@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -80,16 +80,14 @@ def build_engine_parts(config: EngineConfig, peers: Peers,
                                 config.enable_prefix_caching)
     transfers = None
     if config.kv_connector is not None:
-        ctx = ConnectorContext(rank=topo.rank, world_size=topo.world_size,
-                               owner_rank=topo.owner_rank, num_owners=topo.num_owners,
-                               shard_rank=topo.shard_rank, num_shards=topo.num_shards,
-                               block_size=config.block_size, namespace=namespace.hex(),
-                               device=str(device), block_nbytes=layout.block_nbytes)
+        # the engine's place among its peers (Topology's fields are the context's)
+        ctx = ConnectorContext(**asdict(topo), block_size=config.block_size,
+                               namespace=namespace.hex(), device=str(device),
+                               block_nbytes=layout.block_nbytes)
         transfers = KVTransfers(config.kv_connector, ctx, KVCacheRegistration(kv_cache.tensor, layout),
                                 kv_manager.pool, peers.agreement, config.max_num_tokens,
                                 on_stuck, model.attention_weight())
-    log.info("engine ready: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
-             num_blocks, config.block_size, num_blocks * layout.block_nbytes / 2**20,
-             max_model_len)
+    log.info("engine ready: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", num_blocks,
+             config.block_size, num_blocks * layout.block_nbytes / 2**20, max_model_len)
     return EngineParts(model, tokenizer, kv_cache, kv_manager, transfers,
                        frozenset(cfg.eos_token_ids), info)

@@ -84,10 +84,6 @@ class LocalAgreement:
         return flags
 
 
-def _no_counters() -> dict[str, float]:
-    return {}
-
-
 @dataclass(frozen=True)
 class Peers:
     """Everything an engine needs to know about other ranks (one rank: the defaults)."""
@@ -97,4 +93,4 @@ class Peers:
     sync: StepSync = field(default_factory=LocalSync)
     agreement: Agreement = field(default_factory=LocalAgreement)
     # control-collective counters for stats() (control_collectives, control_seconds)
-    counters: Callable[[], dict[str, float]] = _no_counters
+    counters: Callable[[], dict[str, float]] = dict  # (one rank: none)
