@@ -156,8 +156,7 @@ class Scheduler:
         tokens = iter(sampled)
         for chunk in batch.chunks:
             req = chunk.request
-            is_current = chunk.epoch == req.num_preemptions and req.status == RequestStatus.RUNNING
-            if is_current:
+            if chunk.epoch == req.num_preemptions and req.status == RequestStatus.RUNNING:
                 self.kv.cache_computed_blocks(req, chunk.start + chunk.num_tokens)
                 if self.transfers is not None and self.transfers.has_fronts:
                     self.transfers.front_applied(req)
@@ -304,8 +303,7 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int) -> str | None:
         if token in req.stop_token_ids and len(req.output_token_ids) > req.sampling.min_tokens:
             return "stop"
-        num_outputs = len(req.output_token_ids)
-        if (num_outputs >= req.sampling.max_tokens
-                or len(req.prompt_token_ids) + num_outputs >= self.max_request_len):
+        if (len(req.output_token_ids) >= req.sampling.max_tokens
+                or req.num_tokens >= self.max_request_len):
             return "length"
         return None
