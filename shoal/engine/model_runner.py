@@ -84,11 +84,9 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
                 logits = self.model.compute_logits(hidden[sample_rows])
                 self._prompt_logprobs = self._of_prompts(batch, hidden)
-            requests = [c.request for c in sampling]
-            tokens = self.sampler.sample_on_device(logits, requests).int()
-            request_ids = [r.request_id for r in requests]
+            tokens = self.sampler.sample_on_device(logits, [c.request for c in sampling]).int()
         self._prev_tokens = tokens
-        self._prev_rows = {rid: row for row, rid in enumerate(request_ids)}
+        self._prev_rows = {c.request.request_id: row for row, c in enumerate(sampling)}
         sampled = SampledTokens(tokens)
         num_top = [c.request.sampling.logprobs for c in sampling]
         if any(k is not None for k in num_top):  # only rows whose request asked
@@ -180,10 +178,9 @@ class ModelRunner:
         gathered from the rows kept across steps."""
         r = self.rows(batch)
         (input_ids, positions, slot_blocks, slot_offsets, starts, lens, ctxs, table_rows,
-         indices, values, sample_rows, fill_rows, sources) = self._inputs.send(
-            [r.ids, r.positions, r.slot_blocks, r.slot_offsets, r.starts, r.lens, r.ctxs,
-             r.table_rows, r.table_indices, r.table_values, r.sample_rows, r.fill_rows,
-             r.sources])
+         indices, values, sample_rows, fill_rows, sources) = self._inputs.send([
+            r.ids, r.positions, r.slot_blocks, r.slot_offsets, r.starts, r.lens, r.ctxs,
+            r.table_rows, r.table_indices, r.table_values, r.sample_rows, r.fill_rows, r.sources])
         if r.table_indices.size:
             self.table_rows.write(indices, values)
         host = r.starts.tolist(), r.lens.tolist(), r.ctxs.tolist()
