@@ -63,8 +63,7 @@ class ConnectorCalls:
                         f"{about}): {what}. The engine must be restarted.")
         log.error("%s", self.failure)
 
-    def ask(self, hook: str, call: Callable[[Any], T], safe: T,
-            request_id: str | None = None) -> T:
+    def ask(self, hook: str, call: Callable[[Any], T], safe: T, request_id: str | None = None) -> T:
         """A scheduler-side hook, asked on the lead rank; every rank gets its answer and its
         failure. `safe` is the answer once the connector failed."""
         answer = None

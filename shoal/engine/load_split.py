@@ -192,8 +192,7 @@ class LoadPlanner:
         g = self.load_slowdown.factor if split else 1.0
         if num_tokens <= 0:
             rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
-            if seconds > 0 and (rate.value is None or rate.value > g * self.block_size / seconds):
-                rate.value = g * self.block_size / seconds
+            rate.value = min(rate.value or math.inf, g * self.block_size / seconds)
             return
         expected = self.expected_rate(host_share)
         if split and expected is not None:
@@ -226,8 +225,7 @@ class LoadPlanner:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def admit(self, first: int, end: int, host_share: float = 0.0, ahead: int = 0
-              ) -> LoadDecision:
+    def admit(self, first: int, end: int, host_share: float = 0.0, ahead: int = 0) -> LoadDecision:
         """A hit of blocks [first, end) of a request that can compute while loading,
         `host_share` of it expected from host memory; its load starts once the loads before
         it brought in their `ahead` tokens (a store serves an engine's loads in turn)."""
@@ -349,9 +347,8 @@ class LoadPlanner:
             streaming = max(waited - (F or 0.0), waited * MIN_STREAMING_SHARE)
             own = num_landed / streaming
             few = MIN_OWN_RATE_BLOCKS * self.block_size
-            if (expected is None or num_landed >= few
-                    or (own * OWN_RATE_SLACK < expected[0]
-                        and waited >= OWN_RATE_SLACK * (expected[1] + few / expected[0]))):
+            if (expected is None or num_landed >= few or (own * OWN_RATE_SLACK < expected[0]
+                    and waited >= OWN_RATE_SLACK * (expected[1] + few / expected[0]))):
                 return own, 0.0, 1.0  # (measured beside what runs now)
         if expected is None:
             return None

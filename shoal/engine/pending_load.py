@@ -54,8 +54,7 @@ class PendingLoad:
         """The block after the hit's last."""
         return self.end_token // block_size
 
-    def front_limit(self, num_tokens: int, front: int, block_size: int,
-                    step_tokens: int) -> int:
+    def front_limit(self, num_tokens: int, front: int, block_size: int, step_tokens: int) -> int:
         """`num_tokens` for the front at token `front`, but at least the blocks dropped from
         the load already (no copy writes them, whatever the planner's step says), below
         every block the load may still write, and no more than a step's `step_tokens` (the

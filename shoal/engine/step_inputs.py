@@ -48,8 +48,7 @@ class StepRows:
     table_values: np.ndarray  # ... and their block ids
 
     @classmethod
-    def of(cls, chunks, block_size: int, prev_rows: dict[str, int],
-           table: TableRows) -> StepRows:
+    def of(cls, chunks, block_size: int, prev_rows: dict[str, int], table: TableRows) -> StepRows:
         """The arrays of `chunks` (ScheduledChunk). `prev_rows`: each request's row in the
         previous step's samples (a placeholder is its request's last sample). Places the
         chunks' rows in `table`: the caller writes table_indices / table_values to it first."""
@@ -62,8 +61,7 @@ class StepRows:
         starts, ctxs = ends - lens, first + lens
         if n == 0 or ends[-1] == n:  # decodes (and one-token chunks) only: a row each
             positions = first
-            slot_blocks = np.fromiter((c.block_ids[c.start // block_size] for c in chunks),
-                                      i32, n)
+            slot_blocks = np.fromiter((c.block_ids[c.start // block_size] for c in chunks), i32, n)
             ids = np.fromiter((c.token_ids[0] if c.token_ids else 0 for c in chunks), i32, n)
         else:
             in_chunk = np.arange(ends[-1], dtype=i32) - np.repeat(starts, lens)
@@ -71,9 +69,8 @@ class StepRows:
             # each chunk's own blocks side by side; a row's block is among its chunk's
             low, high = first // block_size, (ctxs - 1) // block_size + 1
             counts = high - low
-            own = np.fromiter(chain.from_iterable(
-                c.block_ids[a:b] for c, a, b in zip(chunks, low.tolist(), high.tolist())),
-                i32, int(counts.sum()))
+            own = np.fromiter(chain.from_iterable(c.block_ids[a:b] for c, a, b in zip(
+                chunks, low.tolist(), high.tolist())), i32, int(counts.sum()))
             own_start = np.cumsum(counts) - counts
             slot_blocks = own[np.repeat(own_start - low, lens) + positions // block_size]
             ids = np.zeros(ends[-1], i32)
