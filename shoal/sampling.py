@@ -93,8 +93,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        if self.structured_output is not None and not isinstance(self.structured_output,
-                                                                 StructuredOutput):
+        if not isinstance(self.structured_output, (StructuredOutput, type(None))):
             raise TypeError("SamplingParams.structured_output must be a StructuredOutput, got "
                             f"{type(self.structured_output).__name__}")
 
@@ -116,8 +115,7 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
         raise TypeError("SamplingParams.logit_bias must map token ids to biases, got "
                         f"{type(bias).__name__}")
     pairs = {}
-    for pair in items:
-        token, value = pair
+    for token, value in items:
         _check_int("logit_bias", token, 0)
         _check_real("logit_bias", value)
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
