@@ -84,32 +84,19 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_tokens
         chunks: list[ScheduledChunk] = []
-        num_preempted = 0
+        num_preemptions = self.num_preemptions  # none this step: new requests may be admitted
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._num_schedulable(req, budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            while not self.kv.allocate(req, num_new):
-                victim = self._victim()
-                if victim is None:  # only requests with pending loads hold blocks
-                    break
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is req:
-                    break
-            else:
+            if num_new > 0 and self._allocate(req, num_new):
                 chunks.append(self._make_chunk(req, num_new))
                 budget -= num_new
-                i += 1
-                continue
-            if req in self.running:  # not preempted: it waits for blocks
+            if req.status == RequestStatus.RUNNING:  # (a preempted one left the list)
                 i += 1
         transfers = self.transfers
         behind: list[Request] = []  # waiting for another request's hit of their next block
-        while (self.waiting and budget > 0 and not num_preempted
+        while (self.waiting and budget > 0 and self.num_preemptions == num_preemptions
                and len(self.running) < self.max_batch_size
                and len(behind) < self.max_batch_size):  # (each one skipped costs a lookup)
             req = self.waiting[0]
@@ -118,12 +105,11 @@ class Scheduler:
             computes_all = req.sampling.prompt_logprobs is not None
             hits = [] if computes_all else self.kv.find_cached_prefix(req)
             num_cached = len(hits) * self.kv.block_size
-            if (transfers and not computes_all and self.kv.enable_prefix_caching
-                    and transfers.brings_in(req, num_cached)):
+            pool = None if computes_all else transfers  # whom a pool hit is asked of
+            if pool and self.kv.enable_prefix_caching and pool.brings_in(req, num_cached):
                 behind.append(self.waiting.popleft())  # (its place in the queue kept)
                 continue
-            num_external, num_host = (transfers.match(req, num_cached)
-                                      if transfers and not computes_all else (0, 0))
+            num_external, num_host = pool.match(req, num_cached) if pool else (0, 0)
             num_new = min(req.num_tokens - num_cached, budget)
             # the blocks of a pool hit are allocated with it (its loads' destinations)
             if not self.kv.allocate(req, max(num_new, num_external), hits):
@@ -270,6 +256,18 @@ class Scheduler:
         num_new = min(num_known - req.num_computed_tokens, budget)
         front = transfers.front_tokens(req, num_new)
         return num_new if front is None else front
+
+    def _allocate(self, req: Request, num_new: int) -> bool:
+        """Blocks for `num_new` more tokens of a running request, preempting the newest others
+        while the cache is short. False: it waits for blocks, or was preempted itself."""
+        while not self.kv.allocate(req, num_new):
+            victim = self._victim()
+            if victim is None:  # only requests with pending loads hold blocks
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
 
     def _victim(self) -> Request | None:
         """The newest running request that may be preempted: a pending load still writes
