@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from shoal.connectors.base import LoadProgress
@@ -110,52 +111,51 @@ class TransferPoller:
         saves, loads = plan.save_epochs, plan.loading_ids
         ask_save = [rid for rid, epoch in saves.items() if self._saved.get(rid) != epoch]
         ask_load = [rid for rid in loads if rid not in self._loaded]
-        saved, loaded = self.calls.work("get_finished", lambda w: w.get_finished(ask_save, ask_load),
-                                   ((), ()))
+        saved, loaded = self.calls.work(
+            "get_finished", lambda w: w.get_finished(ask_save, ask_load), ((), ()))
         self._saved.update((rid, saves[rid]) for rid in saved if rid in saves)
         self._loaded.update(rid for rid in loaded if rid in loads)
-        self._failed.update(self.calls.work("get_failed_loads", lambda w: w.get_failed_loads(), {}) or {})
+        self._failed.update(
+            self.calls.work("get_failed_loads", lambda w: w.get_failed_loads(), {}) or {})
         partial = self.calls.partial_loads and loads
         if partial:  # a load this rank finished keeps its final progress until agreed
             self._progress.update(self.calls.work(
                 "get_load_progress", lambda w: w.get_load_progress(list(loads)), {}) or {})
+        mine = [self._progress.get(rid) for rid in loads] if partial else []
         pending, now = [*saves, *loads], time.monotonic()
+        # free for the front where free on every rank, landed where landed on all (partial)
         flags = ([int(self._saved.get(rid) == epoch) for rid, epoch in saves.items()]
                  + [int(rid in self._loaded) for rid in loads]
                  + [self._failed.get(rid, NO_FAILURE) for rid in loads]
-                 + [int(plan.deadlines.get(rid, math.inf) >= now) for rid in pending])
-        if partial:  # free for the front where free on every rank, landed where landed on all
-            flags += [self._progress[rid].writes_from if rid in self._progress else 0
-                      for rid in loads]
-            flags += [-self._progress[rid].landed_from if rid in self._progress else -NO_FAILURE
-                      for rid in loads]
+                 + [int(plan.deadlines.get(rid, math.inf) >= now) for rid in pending]
+                 + [p.writes_from if p else 0 for p in mine]
+                 + [-p.landed_from if p else -NO_FAILURE for p in mine])
         if not flags:  # the same on every rank: nothing pending, nothing to agree on
             return TransferReport(), []
-        agreed = self.calls.agreement.agree_min(flags)
-        n, m = len(saves), len(loads)
+        agreed = iter(self.calls.agreement.agree_min(flags))  # cut back into the groups above
+        groups = (saves, loads, loads, pending, mine, mine)
+        done_saves, done_loads, failed, live, writes_from, minus_landed_from = (
+            list(islice(agreed, len(group))) for group in groups)
         report = TransferReport()
-        if partial:
-            at = n + 2 * m + len(pending)
-            for i, rid in enumerate(loads):
-                landed = -agreed[at + m + i]
-                if landed != NO_FAILURE:  # this rank's landing times where its word is the
-                    # agreed one (TP: a rank behind it landed later)
-                    mine = self._progress.get(rid)
-                    times = ((mine.first_landed_at, mine.last_landed_at, mine.started_at)
-                             if mine is not None and mine.landed_from == landed else ())
-                    report.progress[rid] = LoadProgress(agreed[at + i], landed, *times)
-        for rid, done in zip(saves, agreed):
+        for rid, p, writes, minus_landed in zip(loads, mine, writes_from, minus_landed_from):
+            landed = -minus_landed
+            if landed != NO_FAILURE:  # this rank's landing times where its word is the
+                # agreed one (TP: a rank behind it landed later)
+                times = ((p.first_landed_at, p.last_landed_at, p.started_at)
+                         if p is not None and p.landed_from == landed else ())
+                report.progress[rid] = LoadProgress(writes, landed, *times)
+        for rid, done in zip(saves, done_saves):
             if done:
                 report.finished_saving.add(rid)
                 del self._saved[rid]
-        for i, rid in enumerate(loads):
-            if agreed[n + i]:
+        for rid, done, bad in zip(loads, done_loads, failed):
+            if done:
                 report.finished_loading.add(rid)
                 self._loaded.discard(rid)
                 self._failed.pop(rid, None)
                 self._progress.pop(rid, None)
-                if agreed[n + m + i] != NO_FAILURE:
-                    report.failed_loads[rid] = agreed[n + m + i]
-        expired = [rid for rid, ok in zip(pending, agreed[n + 2 * m:n + 2 * m + len(pending)]) if not ok
-                   and rid not in report.finished_saving and rid not in report.finished_loading]
+                if bad != NO_FAILURE:
+                    report.failed_loads[rid] = bad
+        ended = report.finished_saving | report.finished_loading
+        expired = [rid for rid, ok in zip(pending, live) if not ok and rid not in ended]
         return report, list(dict.fromkeys(expired))
