@@ -190,8 +190,10 @@ class LoadPlanner:
         if seconds <= 0:  # (times that say nothing)
             return
         g = self.load_slowdown.factor if split else 1.0
+        from_host = host_share >= ONE_SOURCE_SHARE  # its rates: host memory's, else the store's
+        rate, latency_s = ((self.host_load_tps, self.host_load_latency_s) if from_host
+                           else (self.load_tps, self.load_latency_s))
         if num_tokens <= 0:
-            rate = self.host_load_tps if host_share >= ONE_SOURCE_SHARE else self.load_tps
             rate.value = min(rate.value or math.inf, g * self.block_size / seconds)
             return
         expected = self.expected_rate(host_share)
@@ -205,15 +207,10 @@ class LoadPlanner:
         if latency is not None and latency >= ALL_AT_ONCE * seconds:  # one unit (the tier's
             # blocks are one): no first-block latency to tell from the rate
             latency, streaming = None, seconds
-        if host_share >= ONE_SOURCE_SHARE:
-            if latency is not None:
-                self.host_load_latency_s.add(max(latency, 1e-6))
-            self.host_load_tps.add(num_tokens / streaming)
-            return
         if latency is not None:
-            self.load_latency_s.add(max(latency, 1e-6))
-        if host_share <= 1 - ONE_SOURCE_SHARE:
-            self.load_tps.add(num_tokens / streaming)
+            latency_s.add(max(latency, 1e-6))
+        if from_host or host_share <= 1 - ONE_SOURCE_SHARE:
+            rate.add(num_tokens / streaming)
             return
         # mixed: what the known source's part did not take was the other's
         host, store = num_tokens * host_share, num_tokens * (1 - host_share)
@@ -246,17 +243,17 @@ class LoadPlanner:
         # than computing it all: the load must save more than that forward's fixed cost
         share = max(step.drop_to * self.block_size - front, 0)  # (the first step may have fewer)
         if C is not None and rate is not None:
-            L, latency, g = rate
-            if self.work(front, remaining) / C < self._ends(front, share, remaining, L, latency,
-                                                            0, g):
+            if self.work(front, remaining) / C < self._ends(front, share, remaining, rate):
                 return LoadDecision(end, None)
         return LoadDecision(max(first, step.drop_to), step)
 
-    def _ends(self, front: int, x: int, remaining: int, L: float,
-              latency: float, busy: float = 0.0, g: float = 1.0) -> float:
+    def _ends(self, front: int, x: int, remaining: int, rate: tuple[float, float, float],
+              busy: float = 0.0) -> float:
         """When a front of x of the `remaining` tokens (computed once `busy` seconds of the
-        front's earlier forwards are done) and a load of the rest both end (beside a
-        front, the load takes g times as long). Only with the prefill rate known."""
+        front's earlier forwards are done) and a load of the rest at `rate` (`_load_rate`)
+        both end (beside a front, the load takes g times as long). Only with the prefill rate
+        known."""
+        L, latency, g = rate
         computed = busy + self.compute_seconds(front, x) if x else busy
         return max(computed, (latency + (remaining - x) / L) * (g if x or busy else 1.0))
 
@@ -297,14 +294,13 @@ class LoadPlanner:
         share = max(int(exact) // bs * bs, 0)
         # of the block boundaries around the exact share, the one where both sides end
         # sooner (with a slow store, the block rounding down gives the load costs more)
-        if (share + bs < remaining
-                and self._ends(front, share + bs, remaining, L, latency, busy, g)
-                < self._ends(front, share, remaining, L, latency, busy, g)):
+        if (share + bs < remaining and self._ends(front, share + bs, remaining, rate, busy)
+                < self._ends(front, share, remaining, rate, busy)):
             share += bs
         if (share < bs or self.work(front, share) < C * self.prefill_overhead_s  # less than a
                 # forward's fixed cost buys, or a forward whose launches outlast the load
-                or self._ends(front, share, remaining, L, latency, busy, g)
-                > (1 - self.min_gain) * self._ends(front, 0, remaining, L, latency, busy, g)):
+                or self._ends(front, share, remaining, rate, busy)
+                > (1 - self.min_gain) * self._ends(front, 0, remaining, rate, busy)):
             return FrontStep(0, 0)  # the load lands it, the front waits
         # the share in one forward (its fixed cost paid once); the load from where it ends
         return FrontStep(min(share, self.max_num_tokens), cdiv(front + share, bs))
