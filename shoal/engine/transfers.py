@@ -21,7 +21,7 @@ from shoal.connectors.base import (ConnectorConfig, ConnectorContext, KVCacheReg
                                    RequestData, SchedulerOutput)
 from shoal.engine.connector_calls import ConnectorCalls, request_view
 from shoal.engine.deadlines import Deadlines
-from shoal.engine.load_split import LoadPlanner
+from shoal.engine.load_split import LoadDecision, LoadPlanner
 from shoal.engine.peers import Agreement
 from shoal.engine.pending_load import HIT_COUNTERS, LandedLoad, PendingLoad, start_turns
 from shoal.engine.rates_file import rates_path, restore_rates, save_rates
@@ -108,19 +108,18 @@ class KVTransfers:
         bs = self.ctx.block_size
         first, end = num_cached // bs, (num_cached + num_external) // bs
         host_share = num_host / num_external
-        hit = PoolHit("load", num_external, **self.planner.decision_rates(host_share), num_host_tokens=num_host)
+        hit = PoolHit("load", num_external, **self.planner.decision_rates(host_share),
+                      num_host_tokens=num_host)
         self._counts["pool_hit_host_tokens"] += num_host
-        load_from, first_tokens = first, 0
         now = time.monotonic()
         ahead = start_turns(self._loads.values(), now, bs)  # (the store's loads go in turn)
+        decision = LoadDecision(first, None)  # whole loads: all of it, the front waits
         if self.partial_loads:
             decision = self._decide(lambda: self.planner.admit(first, end, host_share, ahead))
-            load_from = decision.load_from
-            first_tokens = decision.first.num_tokens if decision.first else 0
-            if load_from > first:
-                self._drop(req, load_from)
-            hit.decision = ("load" if load_from == first else "split" if load_from < end
-                            else "compute")
+            self._drop(req, decision.load_from, first)
+        load_from = decision.load_from
+        first_tokens = decision.first.num_tokens if decision.first else 0
+        hit.decision = "load" if load_from == first else "split" if load_from < end else "compute"
         req.pool_hit = hit
         self._counts[HIT_COUNTERS[hit.decision]] += 1
         if load_from >= end:  # computing it is faster: nothing is loaded
@@ -164,9 +163,7 @@ class KVTransfers:
         step = self._decide(lambda: self.planner.front_step(
             front, load.landed_from, end, load.started, now, load.host_share,
             busy=load.front_busy(now), ahead=ahead))
-        if step.drop_to > load.dropped_to:
-            self._drop(req, step.drop_to)
-            load.dropped_to = step.drop_to
+        load.dropped_to = self._drop(req, step.drop_to, load.dropped_to)
         return self._front(load, step.num_tokens, front, limit)
 
     def _front(self, load: PendingLoad, num_tokens: int, front: int, limit: int) -> int:
@@ -306,9 +303,8 @@ class KVTransfers:
         load = self._loads.get(req.request_id)
         if load is not None:
             load.is_cancelled = True
-            if load.is_partial and load.dropped_to < load.landed_from:
-                self._drop(req, load.landed_from)
-                load.dropped_to = load.landed_from
+            if load.is_partial:
+                load.dropped_to = self._drop(req, load.landed_from, load.dropped_to)
         return load is not None
 
     def block_refs(self) -> list[int]:
@@ -351,9 +347,13 @@ class KVTransfers:
         agreement = self.calls.agreement
         return agreement.share(decide() if agreement.is_lead else None)
 
-    def _drop(self, req: Request, num_blocks: int) -> None:
-        self.calls.ask("drop_loads", lambda s: s.drop_loads(request_view(req, self.ctx),
-                                                            num_blocks), None, req.request_id)
+    def _drop(self, req: Request, num_blocks: int, dropped: int) -> int:
+        """The blocks below `num_blocks` dropped from the request's load, where more than the
+        `dropped` already; returns the blocks dropped now."""
+        if num_blocks > dropped:
+            self.calls.ask("drop_loads", lambda s: s.drop_loads(request_view(req, self.ctx),
+                                                                num_blocks), None, req.request_id)
+        return max(num_blocks, dropped)
 
     def _request_data(self, req: Request, token_ids, computed: int, num_scheduled: int,
                       block_ids: list[int]) -> tuple[RequestData, bool]:
