@@ -36,30 +36,23 @@ class KVCacheManager:
         """Hold `cached_block_ids` (a prefix hit, only for a request with no blocks) and grow the
         request's blocks to cover its computed tokens (at least the hit) + num_new_tokens.
         False (and nothing changes) when there are not enough free blocks."""
-        if not cached_block_ids:  # the common case, a decode step above all: short and sweet
-            num_needed = (cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
-                          - len(req.block_ids))
-            if num_needed <= 0:
-                return True
-            new = self.pool.allocate(num_needed)
-            if new is None:
-                return False
-            req.block_ids.extend(new)
+        num_hit = len(cached_block_ids)
+        num_tokens = max(req.num_computed_tokens, num_hit * self.block_size)
+        num_needed = (cdiv(num_tokens + num_new_tokens, self.block_size)
+                      - len(req.block_ids) - num_hit)
+        if num_needed <= 0 and not num_hit:  # the common case, a decode step above all
             return True
-        held = len(req.block_ids) + len(cached_block_ids)
-        num_tokens = max(req.num_computed_tokens, len(cached_block_ids) * self.block_size)
-        num_needed = max(cdiv(num_tokens + num_new_tokens, self.block_size) - held, 0)
         # cached blocks sitting in the free queue stop being free once touched
         num_reclaimed = sum(self.pool.is_free(b) for b in cached_block_ids)
+        num_needed = max(num_needed, 0)
         if num_needed + num_reclaimed > self.pool.num_free_blocks:
             return False
-        assert not req.block_ids, f"{req.request_id}: prefix hit for a request holding blocks"
-        self.pool.touch(list(cached_block_ids))
-        req.block_ids = list(cached_block_ids)
-        req.num_cached_blocks = len(cached_block_ids)
-        new = self.pool.allocate(num_needed)
-        assert new is not None, f"{num_needed} blocks checked free but not allocatable"
-        req.block_ids.extend(new)
+        if num_hit:
+            assert not req.block_ids, f"{req.request_id}: prefix hit for a request holding blocks"
+            self.pool.touch(list(cached_block_ids))
+            req.block_ids = list(cached_block_ids)
+            req.num_cached_blocks = num_hit
+        req.block_ids.extend(self.pool.allocate(num_needed))
         return True
 
     def cache_computed_blocks(self, req: Request, num_computed_tokens: int) -> None:
