@@ -178,7 +178,6 @@ class Scheduler:
         if self.transfers is not None and self.transfers.on_finish(req):
             req.status = RequestStatus.SAVING  # the blocks stay held until the save is reported
             return
-        req.status = RequestStatus.FINISHED
         self._release(req, defer_free)
 
     def cancel(self, req: Request, defer_free: bool) -> bool:
@@ -205,11 +204,12 @@ class Scheduler:
         for req, reason, error in outcome.ended:
             self.finish(req, reason, error, defer_free)
         for req in outcome.released:  # ended (and returned) before; its save is done
-            req.status = RequestStatus.FINISHED
             self._release(req, defer_free)
         return [req for req, _, _ in outcome.ended]
 
     def _release(self, req: Request, defer_free: bool) -> None:
+        """The request is FINISHED: its blocks are freed now, or at the next update."""
+        req.status = RequestStatus.FINISHED
         if req.block_ids and defer_free:
             self._deferred_free.append(req)
         elif req.block_ids:
