@@ -312,8 +312,7 @@ class KVTransfers:
         of the running ones (cancelled: they end once their load drains)."""
         held = [*(load.request for load in self._loads.values()
                   if load.request.status != RequestStatus.RUNNING), *self._saving.values()]
-        return [b for req in held for b in req.block_ids] + \
-            [b for blocks in self._pins.values() for b in blocks]
+        return [b for ids in [*(req.block_ids for req in held), *self._pins.values()] for b in ids]
 
     def _end_deadline(self, request_id: str) -> None:
         if request_id not in self._loads and request_id not in self._save_epochs:
