@@ -236,15 +236,13 @@ class LoadPlanner:
     def _admit(self, first: int, end: int, host_share: float, ahead: int) -> LoadDecision:
         front, remaining = first * self.block_size, (end - first) * self.block_size
         step = self.front_step(front, end, end, None, 0.0, host_share, ahead=ahead)
-        if step.drop_to >= end:  # computing it all is faster: nothing is loaded
-            return LoadDecision(end, None)
         C, rate = self.prefill_tps.value, self._load_rate(0, None, host_share, remaining, ahead)
         # a hit that loads takes one more forward (the prompt's rest, after the landed blocks)
         # than computing it all: the load must save more than that forward's fixed cost
         share = max(step.drop_to * self.block_size - front, 0)  # (the first step may have fewer)
-        if C is not None and rate is not None:
-            if self.work(front, remaining) / C < self._ends(front, share, remaining, rate):
-                return LoadDecision(end, None)
+        if step.drop_to >= end or (C is not None and rate is not None and self.work(
+                front, remaining) / C < self._ends(front, share, remaining, rate)):
+            return LoadDecision(end, None)  # computing it all is faster: nothing is loaded
         return LoadDecision(max(first, step.drop_to), step)
 
     def _ends(self, front: int, x: int, remaining: int, rate: tuple[float, float, float],
