@@ -115,26 +115,22 @@ class ModelRunner:
         """(request id, position, TokenLogprobs) of the prompt tokens whose predicting row
         this step computed, for the requests that asked (row p's logits give token p+1's);
         in slices, so a long prompt's logits never sit in memory whole."""
-        rows, targets, owners, num_top = [], [], [], []
+        asked = []  # (row, the token it predicts, request id, that token's position, top k)
         row = 0
         for chunk in batch.chunks:
             req = chunk.request
             k = req.sampling.prompt_logprobs
             if k is not None:
                 last = min(chunk.start + chunk.num_tokens, len(req.prompt_token_ids) - 1)
-                for p in range(chunk.start, last):
-                    rows.append(row + p - chunk.start)
-                    targets.append(req.prompt_token_ids[p + 1])
-                    owners.append((req.request_id, p + 1))
-                    num_top.append(k)
+                asked += [(row + p - chunk.start, req.prompt_token_ids[p + 1], req.request_id,
+                           p + 1, k) for p in range(chunk.start, last)]
             row += chunk.num_tokens
         out = []
-        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
-            index = torch.tensor(rows[i:i + PROMPT_LOGPROBS_ROWS], device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
-            span = slice(i, i + PROMPT_LOGPROBS_ROWS)
-            out += [(rid, pos, lp) for (rid, pos), lp in zip(
-                owners[span], compute_logprobs(logits, targets[span], num_top[span]))]
+        for i in range(0, len(asked), PROMPT_LOGPROBS_ROWS):
+            rows, targets, rids, positions, num_top = zip(*asked[i:i + PROMPT_LOGPROBS_ROWS])
+            logits = self.model.compute_logits(hidden.index_select(
+                0, torch.tensor(rows, device=hidden.device)))
+            out += zip(rids, positions, compute_logprobs(logits, targets, num_top))
         return out
 
     def take_logprobs(self) -> tuple[list[TokenLogprobs | None] | None,
