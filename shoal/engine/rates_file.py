@@ -60,16 +60,15 @@ def restore_rates(planner: LoadPlanner, path: Path) -> None:
     stale = {"prefill_tps"} if not same_unit else set()
     if "load_slowdown" not in rates:
         stale |= {"load_tps", "load_latency_s", "host_load_tps", "host_load_latency_s"}
-    for name in (n for n in RATES if n not in stale):
-        value = rates.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if name.endswith("_slowdown"):  # a ratio: from 1 (none) to the most counted
-                value = min(max(value, 1.0), MAX_SLOWDOWN) if math.isfinite(value) else 1.0
-            getattr(planner, name).add(float(value))
-    for name in SECONDS:
-        value = rates.get(name)
-        if same_unit and isinstance(value, (int, float)) and not isinstance(value, bool):
-            setattr(planner, name, min(max(float(value), 0.0), 1.0))
+    numbers = {name: value for name, value in rates.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    for name in (n for n in RATES if n in numbers and n not in stale):
+        value = numbers[name]
+        if name.endswith("_slowdown"):  # a ratio: from 1 (none) to the most counted
+            value = min(max(value, 1.0), MAX_SLOWDOWN) if math.isfinite(value) else 1.0
+        getattr(planner, name).add(float(value))
+    for name in (n for n in SECONDS if n in numbers and same_unit):
+        setattr(planner, name, min(max(float(numbers[name]), 0.0), 1.0))
 
 
 def _prune(folder: Path) -> None:
