@@ -93,15 +93,13 @@ class PendingLoad:
         """(tokens with valid KV once the front reaches `start`, error, whether a failed
         block is recomputed). `bad`: the first failed block (None: none); it and every block
         after it are recomputed, or with policy "fail" the request ends with an error."""
-        failed = bad
-        if bad is not None and bad * block_size < start:  # a block the front computed (under
-            # TP, landed on one rank and dropped on another): the report names the first
-            # failed block only, so the blocks after it are not known good either
-            bad = start // block_size
         if bad is None:
             return self.end_token, None, False
         if policy == "fail":
-            return self.num_cached, f"KV load from the pool failed at block {failed}", False
+            return self.num_cached, f"KV load from the pool failed at block {bad}", False
+        # a failed block below `start` is one the front computed (under TP, landed on one
+        # rank and dropped on another): the report names the first failed block only, so the
+        # blocks after it are not known good either: all from `start` on are recomputed
         return min(max(bad * block_size, start), self.end_token), None, True
 
     def take_progress(self, progress: LoadProgress, block_size: int) -> None:
