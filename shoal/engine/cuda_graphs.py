@@ -163,16 +163,15 @@ class StepGraphs:
         chunk order); `runner` (the ModelRunner) finds and fills the rows whose token the
         previous step sampled."""
         self.prepare(g, batch, runner)
-        num_layers = len(self.kv_cache.layers)
-        if layer_hooks is not None:
-            for i in range(num_layers):
-                layer_hooks.wait_for_layer_load(i)
+        # the connector's layer hooks, run for every layer before and after the replay
+        hooked = range(len(self.kv_cache.layers)) if layer_hooks is not None else ()
+        for i in hooked:
+            layer_hooks.wait_for_layer_load(i)
         g.graph.replay()
         self.num_replays += 1
         self.num_prefill_replays += not g.decode
-        if layer_hooks is not None:
-            for i in range(num_layers):
-                layer_hooks.save_kv_layer(i)
+        for i in hooked:
+            layer_hooks.save_kv_layer(i)
         return g.logits[:sum(c.is_sampling for c in batch.chunks)]
 
     def prepare(self, g: _Graph, batch, runner) -> None:
