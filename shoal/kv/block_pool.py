@@ -8,6 +8,7 @@ first."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import takewhile
 from dataclasses import dataclass
 
 
@@ -80,13 +81,8 @@ class BlockPool:
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """Blocks of the longest cached prefix of `keys` (not touched: call touch to hold them)."""
-        hits = []
-        for key in keys:
-            block_id = self._cached.get(key)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        found = (self._cached.get(key) for key in keys)
+        return list(takewhile(lambda block_id: block_id is not None, found))  # to the first miss
 
     def check_integrity(self) -> None:
         """Free queue, used blocks and the cache map reconcile; raises AssertionError if not."""
@@ -103,4 +99,5 @@ class BlockPool:
         assert num_used + len(self._free) == self.num_blocks, (
             f"used {num_used} + free {len(self._free)} != {self.num_blocks}")
         for key, block_id in self._cached.items():
-            assert self.blocks[block_id].key == key, f"cache maps a key to block {block_id} without it"
+            assert self.blocks[block_id].key == key, (
+                f"cache maps a key to block {block_id} without it")
