@@ -38,13 +38,12 @@ class KVCacheManager:
         False (and nothing changes) when there are not enough free blocks."""
         num_hit = len(cached_block_ids)
         num_tokens = max(req.num_computed_tokens, num_hit * self.block_size)
-        num_needed = (cdiv(num_tokens + num_new_tokens, self.block_size)
-                      - len(req.block_ids) - num_hit)
-        if num_needed <= 0 and not num_hit:  # the common case, a decode step above all
+        num_needed = max(cdiv(num_tokens + num_new_tokens, self.block_size)
+                         - len(req.block_ids) - num_hit, 0)
+        if not (num_needed or num_hit):  # the common case, a decode step above all
             return True
         # cached blocks sitting in the free queue stop being free once touched
         num_reclaimed = sum(self.pool.is_free(b) for b in cached_block_ids)
-        num_needed = max(num_needed, 0)
         if num_needed + num_reclaimed > self.pool.num_free_blocks:
             return False
         if num_hit:
