@@ -157,12 +157,11 @@ class KVTransfers:
         if not load.is_planned:  # admitted this step: its plan is not out yet, and the
             # admission's split holds (a drop now would unplan blocks the engine waits for)
             return self._front(load, load.first_tokens, front, limit)
-        end = load.end_block(self.ctx.block_size)
         now = time.monotonic()
         ahead = start_turns(self._loads.values(), now, self.ctx.block_size, before=load)
         step = self._decide(lambda: self.planner.front_step(
-            front, load.landed_from, end, load.started, now, load.host_share,
-            busy=load.front_busy(now), ahead=ahead))
+            front, load.landed_from, load.end_block(self.ctx.block_size), load.started, now,
+            load.host_share, busy=load.front_busy(now), ahead=ahead))
         load.dropped_to = self._drop(req, step.drop_to, load.dropped_to)
         return self._front(load, step.num_tokens, front, limit)
 
