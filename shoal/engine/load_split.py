@@ -263,8 +263,7 @@ class LoadPlanner:
         once the loads before it brought in their `ahead` tokens); `host_share` of the hit
         is expected from host memory; `busy`: seconds the front's forwards already launched
         still take (PendingLoad.front_busy)."""
-        bs = self.block_size
-        C = self.prefill_tps.value
+        bs, C = self.block_size, self.prefill_tps.value
         remaining = landed_from * bs - front  # tokens between the front and the landed blocks
         if C is None or remaining <= 0:  # the prefill rate is unknown: the load goes on
             return FrontStep(0, 0)
