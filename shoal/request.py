@@ -127,7 +127,8 @@ class NewRequest:
         field); the vocabulary range is checked where it is known (`check_vocab`)."""
         object.__setattr__(self, "prompt_token_ids", token_id_list(self.prompt_token_ids))
         if not isinstance(self.sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+            raise TypeError("sampling must be a SamplingParams, got "
+                            f"{type(self.sampling).__name__}")
         if self.request_id is not None and (not isinstance(self.request_id, str)
                                             or not self.request_id):
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
