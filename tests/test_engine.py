@@ -188,3 +188,20 @@ def test_bring_up_computes_nothing_on_the_meta_device(tiny_model):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-2:] == ["16", "False"]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+def test_a_bring_up_forward_after_a_cached_context_leaves_requests_alone(
+        tiny_model, tiny_moe_models, family):
+    """ModelRunner.time_prefill(n, context): the forward of a hit's last chunk, run at a GPU
+    engine's bring-up (its first run's costs paid there), on the scratch block only: the
+    requests after it get the tokens of an engine that never ran it."""
+    model = tiny_model if family == "llama" else str(tiny_moe_models[family])
+    prompts = random_prompts(512, [9, 33, 50])
+    expected, _ = run(model, prompts)
+    with LLM(model, block_size=4, num_kv_blocks=256) as llm:
+        seconds, launch = llm.engine.runner.time_prefill(4, context=40)
+        assert seconds > 0 and launch == 0.0  # (on a CPU the launch is the work)
+        outs = llm.generate(prompts, GREEDY)
+        llm.check_integrity()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]

@@ -45,3 +45,26 @@ def test_an_eager_engine_compiles_no_kernel_in_its_requests(tiny_moe_models, nam
     from shoal.model.fused_moe import TILES
     # the experts' kernels were compiled at bring-up, at every tile size
     assert after_bring_up["shoal.model.fused_moe._gate_up_kernel"] >= len(TILES)
+
+
+def test_bring_up_runs_a_hits_last_chunk_after_a_long_context(tiny_moe_models, monkeypatch):
+    """A pool hit ends with a block's tokens after a long context; on DeepSeek-V2-Lite's
+    shape the first such forward in a process cost 40 ms (kernels met for the first time).
+    Bring-up runs one, after a context at least as long as its probes'."""
+    from shoal.engine.model_runner import ModelRunner
+
+    calls = []
+    time_prefill = ModelRunner.time_prefill
+
+    def recorded(self, num_tokens, context=0):
+        calls.append((num_tokens, context))
+        return time_prefill(self, num_tokens, context)
+
+    monkeypatch.setattr(ModelRunner, "time_prefill", recorded)
+    with LLM(str(tiny_moe_models["deepseek_v2"]), device="cuda", dtype="bfloat16",
+             block_size=16, num_kv_blocks=512, max_num_tokens=256) as llm:
+        longest = max(n for n, context in calls if context == 0)  # the bring-up's probes
+        assert any(n == 16 and n + context >= longest for n, context in calls if context)
+        outs = llm.generate(random_prompts(512, [40, 100]), SamplingParams(max_tokens=4))
+        llm.check_integrity()
+    assert all(len(o.token_ids) == 4 for o in outs)

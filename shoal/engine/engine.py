@@ -101,8 +101,10 @@ class Engine:
 
     def _first_forwards(self) -> None:
         """On a GPU, a prefill forward pays the first forward's one-time costs here, not in
-        the first request; with a pool that loads in part, two more measure the prefill rate
-        a split starts from. One rank only: a rank in a group would wait for its peers."""
+        the first request, and so does a block's tokens after a long context (a hit's last
+        chunk: MLA and MoE models run other kernels there, whose first run cost DeepSeek-V2-
+        Lite's shape 40 ms); with a pool that loads in part, two more measure the prefill
+        rate a split starts from. One rank only: a rank in a group would wait for its peers."""
         measure = self.transfers is not None and self.transfers.partial_loads
         if self.peers.topology.world_size > 1 or not (measure or self.kv_cache.tensor.is_cuda):
             return
@@ -111,6 +113,9 @@ class Engine:
                     else PROBE_TOKENS_CPU, self.runner.table_width * self.runner.block_size)
         small = max(large // 4, 1)
         self.runner.time_prefill(small)
+        tail = min(self.runner.block_size, large // 2)
+        if self.kv_cache.tensor.is_cuda and tail:
+            self.runner.time_prefill(tail, large - tail)
         if measure:
             (t1, launch), (t2, _) = self.runner.time_prefill(small), self.runner.time_prefill(large)
             self.transfers.planner.calibrate_prefill((small, t1), (large, t2), launch)

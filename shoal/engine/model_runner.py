@@ -93,15 +93,16 @@ class ModelRunner:
             self._logprobs = compute_logprobs(logits, sampled.tolist(), num_top)
         return sampled
 
-    def time_prefill(self, num_tokens: int) -> tuple[float, float]:
-        """Seconds one eager prefill forward of `num_tokens` tokens takes, and of those the
-        host's launching it (0 on a CPU, where the launch is the work). Run at bring-up;
-        its KV goes to the scratch block only."""
-        probe = Request("shoal-bring-up-prefill", [1] * num_tokens, SamplingParams(max_tokens=1),
-                        frozenset())
-        scratch = [self.kv_cache.scratch_block] * cdiv(num_tokens, self.block_size)
-        batch = ScheduledBatch([ScheduledChunk(probe, 0, num_tokens, probe.prompt_token_ids, 0,
-                                               scratch, True, 0)], num_tokens)
+    def time_prefill(self, num_tokens: int, context: int = 0) -> tuple[float, float]:
+        """Seconds one eager prefill forward of `num_tokens` tokens after `context` cached
+        ones takes, and of those the host's launching it (0 on a CPU, where the launch is
+        the work). Run at bring-up; its KV (and its context's) is the scratch block's."""
+        probe = Request("shoal-bring-up-prefill", [1] * (context + num_tokens),
+                        SamplingParams(max_tokens=1), frozenset())
+        scratch = [self.kv_cache.scratch_block] * cdiv(context + num_tokens, self.block_size)
+        batch = ScheduledBatch([ScheduledChunk(probe, context, num_tokens,
+                                               probe.prompt_token_ids[context:], 0, scratch,
+                                               True, 0)], num_tokens)
         start = time.perf_counter()
         sampled = self.execute(batch, [num_tokens], eager=True)
         launch = time.perf_counter() - start if self.device.type == "cuda" else 0.0
