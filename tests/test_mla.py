@@ -72,6 +72,49 @@ def test_absorbed_decode_equals_expanded_attention(tiny_moe_models, name):
 
 
 @torch.no_grad()
+def test_a_short_prefill_chunk_attends_absorbed_and_equals_expanded(tiny_moe_models, monkeypatch):
+    """A chunk of at most ABSORBED_MAX_QUERY tokens after its context (a pool hit's last
+    block) attends absorbed, a decode row per token over its context up to itself; a longer
+    one expands the latents. On identical inputs (float64) both equal the expanded form."""
+    from shoal.model.llama import AttentionMetadata, PagedInputs
+    from shoal.model.mla import ABSORBED_MAX_QUERY
+
+    torch.manual_seed(2)
+    cfg = ModelConfig.from_hf(hf_config(tiny_moe_models["deepseek_v2"]))
+    attn = MLAttention(cfg, 0, Shard(), TorchBackend()).double()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    bs, width = 4, 12
+    cache = torch.randn(64, bs, 1, cfg.kv_lora_rank + cfg.head_dim, dtype=torch.float64)
+    # two requests in one step: 5 tokens after 38 cached, then 20 tokens after 9
+    chunks = [(5, 43), (ABSORBED_MAX_QUERY + 4, 29)]  # (tokens this step, context after it)
+    table = torch.stack([torch.randperm(64)[:width] for _ in chunks])
+    lens, ctxs = [n for n, _ in chunks], [c for _, c in chunks]
+    starts = [0, lens[0]]
+    total = sum(lens)
+    q_nope = torch.randn(total, attn.num_heads, cfg.qk_nope_head_dim, dtype=torch.float64)
+    q_rot = torch.randn(total, attn.num_heads, cfg.head_dim, dtype=torch.float64)
+    paged = PagedInputs(table, torch.tensor(starts), torch.tensor(lens), torch.tensor(ctxs),
+                        max(lens), host=(starts, lens, ctxs))
+    meta = AttentionMetadata(torch.zeros(total, dtype=torch.long),
+                             torch.zeros(total, dtype=torch.long), paged)
+    expanded_sizes = []
+    expanded = attn.expanded
+
+    def spy(q_nope, q_rot, cache, block_ids, ctx):
+        expanded_sizes.append(q_nope.shape[0])
+        return expanded(q_nope, q_rot, cache, block_ids, ctx)
+
+    monkeypatch.setattr(attn, "expanded", spy)
+    out = attn._attend(q_nope, q_rot, meta, cache)
+    assert expanded_sizes == [lens[1]]  # the short chunk expanded nothing
+    for start, n, ctx, row in zip(starts, lens, ctxs, table):
+        rows = slice(start, start + n)
+        want = expanded(q_nope[rows], q_rot[rows], cache, row[:math.ceil(ctx / bs)], ctx)
+        torch.testing.assert_close(out[rows], want, rtol=1e-10, atol=1e-12)
+
+
+@torch.no_grad()
 def test_absorbed_decode_in_bfloat16_is_as_close_as_expanded(tiny_moe_models):
     """In bfloat16 both forms round differently; against the float64 answer the absorbed
     one is as close as the expanded one (which is what transformers computes)."""

@@ -7,15 +7,18 @@ the head's rows of `kv_b_proj`. Two ways to attend, equal in exact arithmetic:
 
 - expanded (prefill chunks): the context's latents through `kv_b_proj` into K and V per
   head, then ordinary causal attention. Cheap when many queries share the expansion.
-- absorbed (decode): W_uk moves onto the query, q_nope W_uk lands in the latent space, so
-  the cache is attended as ONE shared head of width L + R whose values are the latents
-  themselves; W_uv then maps the result out. The latent is never expanded per head.
+- absorbed (decode, and prefill chunks of at most ABSORBED_MAX_QUERY tokens: a pool hit's
+  last block after a long context, where expanding every latent for a few queries cost
+  more than the queries): W_uk moves onto the query, q_nope W_uk lands in the latent space,
+  so the cache is attended as ONE shared head of width L + R whose values are the latents
+  themselves; W_uv then maps the result out. The latent is never expanded per head. A
+  short chunk's tokens attend as decode rows, each over its context up to itself.
 
 Under TP the heads (q, kv_b and o rows/columns) are split and the latent is whole on every
 rank; under ADP all of it is whole. Under the Triton backend (a CUDA device) the absorbed
 decode runs the kernel of shoal/model/paged_mla.py, and a step where every row decodes
 reads only the device tables (no host list), so it runs inside the decode CUDA graphs;
-prefill chunks, and decode under the torch backend, use gathers.
+longer prefill chunks, and decode under the torch backend, use gathers.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from shoal.model.rope import apply_rope, softmax_scale
 from shoal.util import to_device
 
 LORA_NORM_EPS = 1e-6  # the latent norms' epsilon (DeepSeek's configs do not set it)
+# a prefill chunk of at most this many tokens attends absorbed (as that many decode rows,
+# each reading the whole context) rather than expanding every latent of its context
+ABSORBED_MAX_QUERY = 16
 
 
 class MLAttention(nn.Module):
@@ -97,12 +103,25 @@ class MLAttention(nn.Module):
         p = meta.paged
         if self.backend.paged and p.max_query_len == 1:  # the device tables alone
             return self.absorbed(q_nope, q_rot, cache, p.block_table, p.context_lens)
+        width = p.block_table.shape[1]
+
+        def prefill(rows: slice, block_ids: torch.Tensor, ctx: int) -> torch.Tensor:
+            n = rows.stop - rows.start
+            if n > ABSORBED_MAX_QUERY:
+                return self.expanded(q_nope[rows], q_rot[rows], cache, block_ids, ctx)
+            # one decode row per token, at its own context's end
+            if self.backend.paged:  # (rows as wide as the step's: the kernel's stride)
+                table = block_ids.new_zeros(n, width)
+                table[:, :block_ids.shape[0]] = block_ids
+            else:
+                table = block_ids.expand(n, -1)
+            return self.absorbed(q_nope[rows], q_rot[rows], cache, table,
+                                 list(range(ctx - n + 1, ctx + 1)))
+
         return attend_per_request(
             meta, q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v), cache.shape[1],
             lambda rows, table, ctxs: self.absorbed(q_nope[rows], q_rot[rows], cache, table,
-                                                    ctxs),
-            lambda rows, block_ids, ctx: self.expanded(q_nope[rows], q_rot[rows], cache,
-                                                       block_ids, ctx))
+                                                    ctxs), prefill)
 
     def warm_up(self, cache: torch.Tensor, no_values: None, scratch_block: int) -> None:
         """Compile the decode kernel now (the Triton backend's bring-up; as
