@@ -169,11 +169,12 @@ def test_engine_on_the_paged_path_equals_the_reference_path(kernel_model, overla
 def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
     """What a replayed graph reads, run eagerly on CPU through the kernels: the reference
     path's tokens. Decode graphs: their padded batch (ladder sizes, scratch-block rows with
-    no context), their table gathered from the rows kept across steps. Prefill graphs (not
-    for MLA): one request's chunk padded to the ladder (16 and 30 tokens here), the padding
+    no context), their table gathered from the rows kept across steps. Prefill graphs: one
+    request's chunk padded to the ladder (16 and 30 tokens here), the padding
     rows a request with no context, the context in a fixed number of parts (3 here; a CPU
     would take 1), as after a prefix hit and for a prompt alone, in chunks that start
-    inside a block. The capture itself needs a GPU (tests/test_cuda.py)."""
+    inside a block; for MLA the 16-token graph only (its absorbed chunks). The capture
+    itself needs a GPU (tests/test_cuda.py)."""
     from shoal import LLM, SamplingParams
     from shoal.engine import cuda_graphs
     from shoal.model.attention_backend import TritonBackend
@@ -184,7 +185,7 @@ def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
             self.model, self.kv_cache, self.table_rows = model, kv_cache, table_rows
             self.width, self.block_size = table_rows.width, kv_cache.layout.block_size
             self.max_size = max_batch_size
-            self._build_inputs(torch.device("cpu"), max_num_tokens, not model.cfg.is_mla)
+            self._build_inputs(torch.device("cpu"), max_num_tokens)
 
         def replay(self, g, batch, runner, layer_hooks=None):
             self.prepare(g, batch, runner)
@@ -201,13 +202,11 @@ def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
     kw = dict(block_size=4, num_kv_blocks=128, max_batch_size=5, max_num_tokens=30)
     alone = random_prompts(512, [70], seed=17)[0]  # chunks of 30, 30, 10: from 30, 60
 
-    def run(llm):  # a batch, then (but for MLA: no prefill graphs) each prompt alone (a
-        # prefix hit: one chunk in a step) and a new one alone
-        outs = [o.token_ids for o in llm.generate(prompts, sp)]
-        if not llm.engine.runner.model.cfg.is_mla:
-            few = SamplingParams(max_tokens=3, ignore_eos=True)
-            outs += [o.token_ids for p in prompts + [alone] for o in llm.generate([p], few)]
-        return outs
+    def run(llm):  # a batch, then each prompt alone (a prefix hit: one chunk in a step)
+        # and a new one alone
+        few = SamplingParams(max_tokens=3, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts, sp)] + [
+            o.token_ids for p in prompts + [alone] for o in llm.generate([p], few)]
 
     with LLM(tiny_model, **kw) as llm:
         expected = run(llm)
@@ -217,10 +216,9 @@ def test_graph_inputs_give_the_reference_tokens(kernel_model, monkeypatch):
         runner.graphs = EagerGraphs(runner.model, runner.kv_cache, 5, 30, runner.table_rows)
         outs = run(llm)
         assert runner.graphs.num_replays > runner.graphs.num_prefill_replays
-        is_mla = runner.model.cfg.is_mla
-        assert (runner.graphs.num_prefill_replays > 0) != is_mla
+        assert runner.graphs.num_prefill_replays > 0
         assert sorted(t for kind, t in runner.graphs.graphs if kind == "prefill") == (
-            [] if is_mla else [16, 30])
+            [16] if runner.model.cfg.is_mla else [16, 30])  # (MLA: chunks it absorbs)
         runner.graphs.table_rows.check_integrity()
         assert not runner.graphs.table_rows._rows  # every finished request gave its row back
         llm.check_integrity()

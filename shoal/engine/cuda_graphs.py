@@ -15,6 +15,7 @@ from shoal.engine.step_inputs import StepRows, aligned_starts
 from shoal.engine.table_rows import TableRows
 from shoal.util import HostBuffers, cdiv
 from shoal.model.llama import AttentionMetadata, PagedInputs
+from shoal.model.mla import ABSORBED_MAX_QUERY
 from shoal.model.paged_attention import PREFILL_TILE, prefill_parts
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -98,7 +99,8 @@ class _Graph:
 class StepGraphs:
     """The runner's CUDA graphs: decode steps by batch size (BATCH_LADDER), and one request's
     short, launch-bound prefill chunk (the rest of a prompt after a pool or prefix hit) by
-    its length (PREFILL_LADDER; not for MLA, whose prefill loops over requests on the host)."""
+    its length (PREFILL_LADDER; for MLA up to mla.ABSORBED_MAX_QUERY tokens, the chunks it
+    attends as decode rows: a longer one loops over requests on the host)."""
 
     def __init__(self, model, kv_cache, max_batch_size: int, max_num_tokens: int,
                  table_rows: TableRows):
@@ -109,7 +111,7 @@ class StepGraphs:
         self.width = table_rows.width
         device = kv_cache.tensor.device
         self.max_size = max_batch_size
-        self._build_inputs(device, max_num_tokens, not model.cfg.is_mla)
+        self._build_inputs(device, max_num_tokens)
         pool = None
         with torch.inference_mode():  # the largest first: a shared pool
             for g in sorted(self.graphs.values(), key=lambda g: g.size, reverse=True):
@@ -122,20 +124,20 @@ class StepGraphs:
                 pool = g.graph.pool()
         torch.cuda.synchronize(device)
 
-    def _build_inputs(self, device: torch.device, max_num_tokens: int, prefill: bool) -> None:
+    def _build_inputs(self, device: torch.device, max_num_tokens: int) -> None:
         """Each graph's input buffers, the host buffers and the device staging (shared)."""
         self.decode_sizes = [s for s in BATCH_LADDER if s < self.max_size] + [self.max_size]
         scratch = self.kv_cache.scratch_block
         self.graphs = {("decode", s): _Graph(s, True, self.width, device, scratch)
                        for s in self.decode_sizes}
         self.max_prefill = 0
-        if prefill:
-            heads = self.model.layers[0].self_attn.num_heads
-            for t in (t for t in PREFILL_LADDER if t <= max_num_tokens):
-                parts = prefill_parts(device, cdiv(t, PREFILL_TILE) * heads,
-                                      self.width * self.block_size)
-                self.graphs["prefill", t] = _Graph(t, False, self.width, device, scratch, parts)
-                self.max_prefill = t
+        longest = min(max_num_tokens, ABSORBED_MAX_QUERY) if self.model.cfg.is_mla else max_num_tokens
+        heads = self.model.layers[0].self_attn.num_heads
+        for t in (t for t in PREFILL_LADDER if t <= longest):
+            parts = prefill_parts(device, cdiv(t, PREFILL_TILE) * heads,
+                                  self.width * self.block_size)
+            self.graphs["prefill", t] = _Graph(t, False, self.width, device, scratch, parts)
+            self.max_prefill = t
         size = max(g.host_size(self.width) for g in self.graphs.values())
         self.host = HostBuffers(size, device)
         self.staging = torch.zeros(size, dtype=torch.int32, device=device)

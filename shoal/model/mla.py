@@ -17,8 +17,9 @@ the head's rows of `kv_b_proj`. Two ways to attend, equal in exact arithmetic:
 Under TP the heads (q, kv_b and o rows/columns) are split and the latent is whole on every
 rank; under ADP all of it is whole. Under the Triton backend (a CUDA device) the absorbed
 decode runs the kernel of shoal/model/paged_mla.py, and a step where every row decodes
-reads only the device tables (no host list), so it runs inside the decode CUDA graphs;
-longer prefill chunks, and decode under the torch backend, use gathers.
+reads only the device tables (no host list), so it runs inside the decode CUDA graphs, and
+so does a short chunk's (the prefill graphs up to ABSORBED_MAX_QUERY tokens); longer
+prefill chunks, and decode under the torch backend, use gathers.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class MLAttention(nn.Module):
         p = meta.paged
         if self.backend.paged and p.max_query_len == 1:  # the device tables alone
             return self.absorbed(q_nope, q_rot, cache, p.block_table, p.context_lens)
+        if self.backend.paged and p.host is None:  # a prefill graph: one short chunk
+            return self._absorbed_chunk(q_nope, q_rot, cache, p)
         width = p.block_table.shape[1]
 
         def prefill(rows: slice, block_ids: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -122,6 +125,16 @@ class MLAttention(nn.Module):
             meta, q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v), cache.shape[1],
             lambda rows, table, ctxs: self.absorbed(q_nope[rows], q_rot[rows], cache, table,
                                                     ctxs), prefill)
+
+    def _absorbed_chunk(self, q_nope, q_rot, cache, p) -> torch.Tensor:
+        """A prefill graph's rows (shoal.engine.cuda_graphs: request 0's chunk of at most
+        ABSORBED_MAX_QUERY tokens, then padding) from the device tables alone: token i of
+        the chunk a decode row over its context up to itself, padding rows over none."""
+        i = torch.arange(q_nope.shape[0], dtype=torch.int32, device=q_nope.device)
+        n, ctx = p.query_lens[0], p.context_lens[0]
+        lens = torch.where(i < n, ctx - n + 1 + i, 0).to(torch.int32)
+        table = p.block_table[:1].expand(q_nope.shape[0], -1).contiguous()
+        return self.absorbed(q_nope, q_rot, cache, table, lens)
 
     def warm_up(self, cache: torch.Tensor, no_values: None, scratch_block: int) -> None:
         """Compile the decode kernel now (the Triton backend's bring-up; as
