@@ -10,7 +10,7 @@ import torch
 from shoal.connectors.base import ConnectorConfig
 
 MAX_CPU_RANKS = 16  # rank processes one machine may spawn for CPU runs
-OPTIONAL = ("num_kv_blocks", "max_model_len")  # None: sized or capped by the model
+_OPTIONAL = ("num_kv_blocks", "max_model_len")  # None: sized or capped by the model
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -41,7 +41,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_size", "max_num_tokens", "dp_size", "tp_size",
                      "num_kv_blocks", "max_model_len"):
-            if getattr(self, name) is not None or name not in OPTIONAL:
+            if getattr(self, name) is not None or name not in _OPTIONAL:
                 _int_at_least(name, getattr(self, name), 1, 4096 if name == "block_size" else None)
         if (isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))
                 or not math.isfinite(self.kv_cache_gb) or self.kv_cache_gb <= 0):

@@ -310,6 +310,7 @@ def test_pool_through_the_host_tier_on_cuda(tiny_models, tmp_path, tier):
         worker = llm.engine.transfers.calls.worker
         slots = worker.tier.num_pages * worker.tier.blocks_per_page
         assert slots >= (68 if tier == "roomy" else 4 * (worker._num_threads + 1))
+        assert tier == "roomy" or slots < 68  # (small: the blocks do not all fit)
     with LLM(path, kv_connector=cfg, **kw) as llm:
         first = llm.generate(prompts, sp)  # from the files
         again = llm.generate(prompts, sp)  # the tier (roomy), or mostly the files again

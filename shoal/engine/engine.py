@@ -113,9 +113,11 @@ class Engine:
                     else PROBE_TOKENS_CPU, self.runner.table_width * self.runner.block_size)
         small = max(large // 4, 1)
         self.runner.time_prefill(small)
-        tail = min(self.runner.block_size, large // 2)
+        # (its context as long as a request's may be: a last chunk is never longer)
+        longest = min(PROBE_TOKENS_GPU, self.runner.table_width * self.runner.block_size)
+        tail = min(self.runner.block_size, longest // 2)
         if self.kv_cache.tensor.is_cuda and tail:
-            self.runner.time_prefill(tail, large - tail)
+            self.runner.time_prefill(tail, longest - tail)
         if measure:
             (t1, launch), (t2, _) = self.runner.time_prefill(small), self.runner.time_prefill(large)
             self.transfers.planner.calibrate_prefill((small, t1), (large, t2), launch)

@@ -347,7 +347,7 @@ class KVTransfers:
 
     def _drop(self, req: Request, num_blocks: int, dropped: int) -> int:
         """The blocks below `num_blocks` dropped from the request's load, where more than the
-        `dropped` already; returns the blocks dropped now."""
+        `dropped` already; returns the new mark (every block below it is dropped)."""
         if num_blocks > dropped:
             self.calls.ask("drop_loads", lambda s: s.drop_loads(request_view(req, self.ctx),
                                                                 num_blocks), None, req.request_id)

@@ -8,8 +8,8 @@ first."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import takewhile
 from dataclasses import dataclass
+from itertools import takewhile
 
 
 @dataclass
