@@ -131,7 +131,8 @@ class StepGraphs:
         self.graphs = {("decode", s): _Graph(s, True, self.width, device, scratch)
                        for s in self.decode_sizes}
         self.max_prefill = 0
-        longest = min(max_num_tokens, ABSORBED_MAX_QUERY) if self.model.cfg.is_mla else max_num_tokens
+        is_mla = self.model.cfg.is_mla  # (its chunks in graphs: those it attends absorbed)
+        longest = min(max_num_tokens, ABSORBED_MAX_QUERY) if is_mla else max_num_tokens
         heads = self.model.layers[0].self_attn.num_heads
         for t in (t for t in PREFILL_LADDER if t <= longest):
             parts = prefill_parts(device, cdiv(t, PREFILL_TILE) * heads,

@@ -106,19 +106,14 @@ class MLAttention(nn.Module):
             return self.absorbed(q_nope, q_rot, cache, p.block_table, p.context_lens)
         if self.backend.paged and p.host is None:  # a prefill graph: one short chunk
             return self._absorbed_chunk(q_nope, q_rot, cache, p)
-        width = p.block_table.shape[1]
 
         def prefill(rows: slice, block_ids: torch.Tensor, ctx: int) -> torch.Tensor:
             n = rows.stop - rows.start
             if n > ABSORBED_MAX_QUERY:
                 return self.expanded(q_nope[rows], q_rot[rows], cache, block_ids, ctx)
-            # one decode row per token, at its own context's end
-            if self.backend.paged:  # (rows as wide as the step's: the kernel's stride)
-                table = block_ids.new_zeros(n, width)
-                table[:, :block_ids.shape[0]] = block_ids
-            else:
-                table = block_ids.expand(n, -1)
-            return self.absorbed(q_nope[rows], q_rot[rows], cache, table,
+            # one decode row per token, at its own context's end (the kernel takes a table
+            # of rows that share one block list: its row stride is not specialised on)
+            return self.absorbed(q_nope[rows], q_rot[rows], cache, block_ids.expand(n, -1),
                                  list(range(ctx - n + 1, ctx + 1)))
 
         return attend_per_request(
@@ -133,7 +128,7 @@ class MLAttention(nn.Module):
         i = torch.arange(q_nope.shape[0], dtype=torch.int32, device=q_nope.device)
         n, ctx = p.query_lens[0], p.context_lens[0]
         lens = torch.where(i < n, ctx - n + 1 + i, 0).to(torch.int32)
-        table = p.block_table[:1].expand(q_nope.shape[0], -1).contiguous()
+        table = p.block_table[:1].expand(q_nope.shape[0], -1)
         return self.absorbed(q_nope, q_rot, cache, table, lens)
 
     def warm_up(self, cache: torch.Tensor, no_values: None, scratch_block: int) -> None:
