@@ -176,6 +176,25 @@ if os.environ.get("IO_TRACE"):  # where an I/O thread's time goes, unit by unit
                                       f"{threading.current_thread().name}: "
                                       f"{(time.perf_counter() - start) * 1e3:.1f} ms ({parts})"))
     PagedMover.load = traced_load
+    # each read process's share: sent (keys, first row, verify), answered with a list
+    from multiprocessing.connection import Connection
+    sent_at: dict[int, tuple[float, int]] = {}
+    original_send, original_recv = Connection.send, Connection.recv
+
+    def traced_send(self, obj):
+        if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[0], list):
+            sent_at[self.fileno()] = (time.perf_counter(), len(obj[0]))
+        return original_send(self, obj)
+
+    def traced_recv(self):
+        out = original_recv(self)
+        share = sent_at.pop(self.fileno(), None) if isinstance(out, list) else None
+        if share is not None and tracing:
+            ms = (time.perf_counter() - share[0]) * 1e3
+            events.append((share[0], f"share of {share[1]} blocks on fd {self.fileno()}: "
+                                     f"{ms:.1f} ms"))
+        return out
+    Connection.send, Connection.recv = traced_send, traced_recv
 paged_io.LAUNCH_WAIT_S = float(os.environ.get("GATE", paged_io.LAUNCH_WAIT_S))
 paged_io.BLOCKING_WAITS = os.environ.get("BLOCKING", "1") != "0"
 modes = ((("load whole", dict(compute_while_loading=False)),) * int(os.environ["WHOLE"])

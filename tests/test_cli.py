@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import subprocess
@@ -371,9 +372,21 @@ def test_bench_serve_with_an_engine_process(smollm2_path):
     assert result["engine_process"] is True  # (on a CPU only when asked)
     assert result["cached_share_warm"] > result["cached_share_off"]
     assert result["ttft_p50_on_over_off"] > 0 and result["tpot_p50_server_over_library"] > 0
-    rows = {line.split("  ")[0]: line.split()[-12] for line in r.stdout.splitlines()[1:-1]}
-    assert rows == {"pool off": "4", "decode (server)": "4", "pool on": "4",
-                    "warm restart": "4", "library": "4", "decode (library)": "4"}
+    header = r.stdout.splitlines()[0].split()
+    table = {line.split("  ")[0]: dict(zip(header[1:], line.split()[1 - len(header):]))
+             for line in r.stdout.splitlines()[1:-1]}
+    assert {name: row["requests"] for name, row in table.items()} == {
+        "pool off": "4", "decode (server)": "4", "pool on": "4", "warm restart": "4",
+        "library": "4", "decode (library)": "4"}
+    for name, row in table.items():  # each server phase's TTFT as its server saw it
+        means = {key: float(row[key]) for key in ("ttft_mean", "srv_ttft",
+                                                  "srv_queue", "srv_prefill")}
+        if name in ("library", "decode (library)"):
+            assert math.isnan(means["srv_ttft"])
+            continue
+        # the engine's first token, then the server's, then the client's: in that order
+        assert 0 < means["srv_queue"] + means["srv_prefill"] \
+            <= means["srv_ttft"] <= means["ttft_mean"], (name, means)
 
 
 def test_bench_serve_against_a_running_server(smollm2_path):

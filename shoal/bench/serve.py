@@ -64,6 +64,7 @@ class Phase:
     name: str
     samples: list[Sample] = field(default_factory=list)
     seconds: float = 0.0
+    server: dict = field(default_factory=dict)  # server_means() after it (servers only)
 
 
 def build_workload(docs: int, doc_tokens: int, questions: int, chats: int, turns: int,
@@ -255,6 +256,34 @@ def _pct(values: list[float], q: float) -> float:
     return values[i]
 
 
+# the means, over a phase, of these histograms of its server (/metrics), by column name
+SERVER_MEANS = (("srv_ttft", "time_to_first_token_seconds"),
+                ("srv_queue", "request_queue_time_seconds"),
+                ("srv_prefill", "request_prefill_time_seconds"))
+
+
+def server_totals(url: str) -> dict[str, float]:
+    """The sums and counts of the server's histograms (its /metrics), by name."""
+    import httpx
+
+    totals = {}
+    for line in httpx.get(f"{url}/metrics", timeout=60.0).text.splitlines():
+        name = line.partition("{")[0]
+        if name.startswith("shoal:") and name.endswith(("_sum", "_count")):
+            totals[name[len("shoal:"):]] = float(line.rsplit(" ", 1)[-1])
+    return totals
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where a phase's TTFT went, as the server saw it (`before`/`after`: server_totals
+    around the phase): the means of its TTFT (arrival to the first token), queue (arrival,
+    tokenizing included, to the first step) and prefill (that step to the first token)."""
+    def mean(h: str) -> float:
+        n = after.get(f"{h}_count", 0.0) - before.get(f"{h}_count", 0.0)
+        return (after[f"{h}_sum"] - before.get(f"{h}_sum", 0.0)) / n if n else float("nan")
+    return {key: mean(h) for key, h in SERVER_MEANS}
+
+
 def summarize(phase: Phase) -> dict:
     s = phase.samples
     ttft = [x.ttft for x in s]
@@ -268,12 +297,15 @@ def summarize(phase: Phase) -> dict:
             "itl_p50": _pct(itl, 50), "itl_p99": _pct(itl, 99),
             "req_per_s": len(s) / phase.seconds, "out_tok_per_s": out / phase.seconds,
             "total_tok_per_s": (prompt + out) / phase.seconds,
-            "cached_share": sum(x.cached_tokens for x in s) / prompt if prompt else 0.0}
+            "cached_share": sum(x.cached_tokens for x in s) / prompt if prompt else 0.0,
+            "ttft_mean": sum(ttft) / len(ttft) if ttft else float("nan"),
+            **{key: phase.server.get(key, float("nan")) for key, _ in SERVER_MEANS}}
 
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
-    cols = ("requests", "ttft_p50", "ttft_p99", "ttft_first_p50", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99",
-            "req_per_s", "out_tok_per_s", "total_tok_per_s", "cached_share")
+    cols = ("requests", "ttft_p50", "ttft_p99", "ttft_first_p50", "tpot_p50", "tpot_p99",
+            "itl_p50", "itl_p99", "req_per_s", "out_tok_per_s", "total_tok_per_s",
+            "cached_share", "ttft_mean", *(key for key, _ in SERVER_MEANS))
     print(f"{'phase':<18}" + "".join(f"{c:>16}" for c in cols))
     for name, r in rows:
         print(f"{name:<18}" + "".join(
@@ -297,8 +329,11 @@ def run_serve_bench(args) -> int:
     decode_tokens = 4 * args.max_tokens
 
     def load(url: str, work: list[Job], max_tokens: int) -> Phase:
-        return asyncio.run(run_clients(url, args.served_model_name, work, args.clients,
-                                       max_tokens))
+        before = server_totals(url)
+        phase = asyncio.run(run_clients(url, args.served_model_name, work, args.clients,
+                                        max_tokens))
+        phase.server = server_means(before, server_totals(url))
+        return phase
 
     if args.url:  # one run against a server someone else started
         result = summarize(load(args.url.rstrip("/"), jobs, args.max_tokens))
