@@ -20,10 +20,7 @@ import torch
 
 
 def _h(*parts: bytes) -> bytes:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p)
-    return h.digest()
+    return hashlib.sha256(b"".join(parts)).digest()
 
 
 def make_namespace(model_identity: str, kv_dtype: torch.dtype, block_size: int,
@@ -33,18 +30,15 @@ def make_namespace(model_identity: str, kv_dtype: torch.dtype, block_size: int,
     return _h(text.encode())
 
 
-def _shard_tag(tp_rank: int, tp_size: int) -> bytes:
-    return f"|shard={tp_rank}/{tp_size}".encode()
-
-
 def shard_namespace(namespace: bytes, tp_rank: int, tp_size: int) -> bytes:
-    """The namespace of one TP shard's KV (the namespace itself when there is one shard)."""
-    return namespace if tp_size == 1 else _h(namespace, _shard_tag(tp_rank, tp_size))
+    """The namespace of one TP shard's KV (the namespace itself when there is one shard),
+    derived as a shard's pool key is."""
+    return shard_key(namespace, tp_rank, tp_size)
 
 
 def shard_key(key: bytes, tp_rank: int, tp_size: int) -> bytes:
     """The pool key of shard `tp_rank` of a block (the block key itself with one shard)."""
-    return key if tp_size == 1 else _h(key, _shard_tag(tp_rank, tp_size))
+    return key if tp_size == 1 else _h(key, f"|shard={tp_rank}/{tp_size}".encode())
 
 
 def request_seed(namespace: bytes, cache_salt: str | None) -> bytes:
