@@ -82,9 +82,8 @@ class Engine:
         self.runner.sampler.grammars = Grammars(lambda: tokenizer.hf, self.info.vocab_size,
                                                 self.eos_token_ids)
         self._first_forwards()
-        self.overlap = config.overlap_scheduler
         self._forward = (ThreadPoolExecutor(1, thread_name_prefix="shoal-forward")
-                         if self.overlap else None)
+                         if config.overlap_scheduler else None)  # None: the plain loop
         self._inflight: deque[tuple[ScheduledBatch, Future]] = deque()  # launched, not applied
         self._forget_ids: list[str] = []  # runner state to drop once no step can need it
         self._ids = itertools.count()
@@ -189,7 +188,7 @@ class Engine:
             self._launch(batch, peers.token_counts)
         moves = self.transfers.num_moves if self.transfers is not None else 0
         # a step that only polls is applied at once: what its poll saw decides the wait
-        ended = self._update(keep=1 if self.overlap and runs and not polls_only else 0)
+        ended = self._update(keep=1 if self._forward is not None and runs and not polls_only else 0)
         if polls_only and batch.transfers.num_pending and self.transfers.num_moves == moves:
             self.transfers.poller.wait(IDLE_WAIT_SECONDS)  # nothing moved: until something does
         return self._report(ended)
@@ -327,11 +326,10 @@ class Engine:
         """begin_drain, then step until nothing is pending. Returns what those steps did
         (nothing after a fatal failure: nothing is waited for then)."""
         result = StepResult()
-        if self.failure is not None:
-            return result
-        self.begin_drain()
-        while self.has_work:
-            result.merge(self.step())
+        if self.failure is None:
+            self.begin_drain()
+            while self.has_work:
+                result.merge(self.step())
         return result
 
     def shutdown(self) -> None:
