@@ -261,21 +261,28 @@ class Scheduler:
         """Blocks for `num_new` more tokens of a running request, preempting the newest others
         while the cache is short. False: it waits for blocks, or was preempted itself."""
         while not self.kv.allocate(req, num_new):
-            victim = self._victim()
-            if victim is None:  # only requests with pending loads hold blocks
-                return False
-            self._preempt(victim)
-            if victim is req:
+            victim = self._preempt_newest()
+            if victim is None or victim is req:  # (None: only pending loads hold blocks)
                 return False
         return True
 
-    def _victim(self) -> Request | None:
-        """The newest running request that may be preempted: a pending load still writes
-        the blocks of the others."""
+    def _preempt_newest(self) -> Request | None:
+        """Preempt the newest running request that may be (a pending load still writes the
+        blocks of the others): its blocks freed, it waits first in the queue. Returns it
+        (None: none may be)."""
         for i in range(len(self.running) - 1, -1, -1):
             req = self.running[i]
             if self.transfers is None or not self.transfers.is_loading(req.request_id):
-                return self.running.pop(i)
+                del self.running[i]
+                if self.transfers is not None:
+                    self.transfers.on_preempt(req)
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+                self.num_preemptions += 1
+                return req
         return None
 
     def _make_chunk(self, req: Request, num_new: int) -> ScheduledChunk:
@@ -283,20 +290,9 @@ class Scheduler:
         token_ids = req.token_ids(start, end)
         is_sampling = end == req.num_known_tokens
         req.num_computed_tokens = end
-        if is_sampling:
-            req.num_inflight_tokens += 1
+        req.num_inflight_tokens += is_sampling  # (its sample, once the step runs)
         return ScheduledChunk(req, start, num_new, token_ids, num_new - len(token_ids),
                               req.block_ids, is_sampling, req.num_preemptions)
-
-    def _preempt(self, req: Request) -> None:
-        if self.transfers is not None:
-            self.transfers.on_preempt(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         if token in req.stop_token_ids and len(req.output_token_ids) > req.sampling.min_tokens:
