@@ -202,13 +202,12 @@ class LoadPlanner:
             self._learn_slowdown(self.load_slowdown, ratio)
             if ratio >= 1:  # (faster: alone the source is at least that fast, taught below)
                 return
-        latency = None if first_landed_s is None else min(first_landed_s, seconds)
-        streaming = seconds if latency is None else max(seconds - latency, seconds / 2)
-        if latency is not None and latency >= ALL_AT_ONCE * seconds:  # one unit (the tier's
-            # blocks are one): no first-block latency to tell from the rate
-            latency, streaming = None, seconds
-        if latency is not None:
-            latency_s.add(max(latency, 1e-6))
+        # a first block seen this late (or not at all): one unit (the tier's blocks are one),
+        # no first-block latency to tell from the rate
+        at_once = first_landed_s is None or first_landed_s >= ALL_AT_ONCE * seconds
+        streaming = seconds if at_once else max(seconds - first_landed_s, seconds / 2)
+        if not at_once:
+            latency_s.add(max(first_landed_s, 1e-6))
         if from_host or host_share <= 1 - ONE_SOURCE_SHARE:
             rate.add(num_tokens / streaming)
             return
