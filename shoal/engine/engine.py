@@ -70,8 +70,7 @@ class Engine:
         parts = build_engine_parts(config, self.peers, on_stuck)
         self.model, self.tokenizer, self.info = parts.model, parts.tokenizer, parts.info
         self.kv_cache, self.kv_manager = parts.kv_cache, parts.kv_manager
-        self.transfers = parts.transfers
-        self.eos_token_ids = parts.eos_token_ids
+        self.transfers, self.eos_token_ids = parts.transfers, parts.eos_token_ids
         self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
                                    self.info.max_model_len, self.transfers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device,

@@ -381,6 +381,5 @@ class KVTransfers:
 
 def _ended(load: PendingLoad, error: str | None) -> tuple[Request, str, str | None]:
     """How a load's request ends when its load ends without running it."""
-    if load.is_cancelled:
-        return load.request, "cancelled", None
-    return load.request, "error", error
+    reason, error = ("cancelled", None) if load.is_cancelled else ("error", error)
+    return load.request, reason, error
