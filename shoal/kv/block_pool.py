@@ -25,7 +25,6 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # key -> block id
-        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -49,7 +48,6 @@ class BlockPool:
             if block.key is not None:  # evict its cached content
                 del self._cached[block.key]
                 block.key = None
-                self.num_evictions += 1
             block.ref_count = 1
             ids.append(block_id)
         return ids
