@@ -34,8 +34,7 @@ def save_rates(planner: LoadPlanner, path: Path) -> None:
     rates = {name: getattr(planner, name).value for name in RATES}
     if all(v is None for v in rates.values()):
         return
-    rates.update({name: getattr(planner, name) for name in SECONDS})
-    rates["prefill_unit"] = PREFILL_UNIT
+    rates.update({name: getattr(planner, name) for name in SECONDS}, prefill_unit=PREFILL_UNIT)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -118,7 +118,6 @@ class KVTransfers:
             decision = self._decide(lambda: self.planner.admit(first, end, host_share, ahead))
             self._drop(req, decision.load_from, first)
         load_from = decision.load_from
-        first_tokens = decision.first.num_tokens if decision.first else 0
         hit.decision = "load" if load_from == first else "split" if load_from < end else "compute"
         req.pool_hit = hit
         self._counts[HIT_COUNTERS[hit.decision]] += 1
@@ -127,8 +126,8 @@ class KVTransfers:
             return False
         self._loads[req.request_id] = PendingLoad(
             req, num_cached, num_external, hit, self.partial_loads, load_from, end, load_from,
-            first_tokens=first_tokens, host_share=host_share, admitted=now,
-            started=None if ahead else now, behind=bool(ahead))
+            first_tokens=decision.first.num_tokens if decision.first else 0,
+            host_share=host_share, admitted=now, started=None if ahead else now, behind=bool(ahead))
         self._new_loads.append(req)
         self.deadlines.start(req.request_id)
         return True
