@@ -73,9 +73,9 @@ class Engine:
         self.transfers, self.eos_token_ids = parts.transfers, parts.eos_token_ids
         self.scheduler = Scheduler(self.kv_manager, config.max_num_tokens, config.max_batch_size,
                                    self.info.max_model_len, self.transfers)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_cache.tensor.device,
-                                  self.info.max_model_len, config.max_batch_size,
-                                  config.enforce_eager, config.max_num_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.info.max_model_len,
+                                  config.max_batch_size, config.enforce_eager,
+                                  config.max_num_tokens)
         # structured output reads the vocabulary's text (the tokenizer loads at first use)
         tokenizer = self.tokenizer  # the callable holds it alone: no cycle keeps the engine
         self.runner.sampler.grammars = Grammars(lambda: tokenizer.hf, self.info.vocab_size,

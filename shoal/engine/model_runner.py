@@ -35,16 +35,15 @@ PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are computed at once
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device,
-                 max_model_len: int, max_batch_size: int, enforce_eager: bool = True,
-                 max_num_tokens: int = 0):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_model_len: int,
+                 max_batch_size: int, enforce_eager: bool = True, max_num_tokens: int = 0):
         self.model = model
         self.kv_cache = kv_cache
-        self.device = device
+        self.device = kv_cache.tensor.device
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
         # the previous step's samples, on the device, and each sampled request's row in them
-        self._prev_tokens = torch.zeros(0, dtype=torch.int32, device=device)
+        self._prev_tokens = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._prev_rows: dict[str, int] = {}
         self._logprobs: list[TokenLogprobs | None] | None = None  # the last execute's, if asked
         self._prompt_logprobs: list[tuple[str, int, TokenLogprobs]] = []  # (rid, position, lp)
@@ -52,15 +51,13 @@ class ModelRunner:
         max_len = min(max_model_len, kv_cache.layout.num_blocks * self.block_size)
         self.table_width = cdiv(max_len, self.block_size)
         # every running request's row (room for two full batches: one leaving, one joining)
-        self.table_rows = TableRows(2 * max_batch_size, self.table_width, device)
-        self._inputs = StepInputs(device)
-        self.graphs = None
+        self.table_rows = TableRows(2 * max_batch_size, self.table_width, self.device)
+        self._inputs = StepInputs(self.device)
         self.replayed = False  # the last execute replayed a graph
         if self.is_paged:
             self._warm_up()
-        if self.is_paged and not enforce_eager and model.shard.size == 1:
-            self.graphs = StepGraphs(model, kv_cache, max_batch_size, max_num_tokens,
-                                     self.table_rows)
+        self.graphs = (StepGraphs(model, kv_cache, max_batch_size, max_num_tokens, self.table_rows)
+                       if self.is_paged and not enforce_eager and model.shard.size == 1 else None)
 
     @property
     def is_paged(self) -> bool:
