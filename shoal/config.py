@@ -40,9 +40,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_size", "max_num_tokens", "dp_size", "tp_size",
-                     "num_kv_blocks", "max_model_len"):
-            if getattr(self, name) is not None or name not in _OPTIONAL:
-                _int_at_least(name, getattr(self, name), 1, 4096 if name == "block_size" else None)
+                     *_OPTIONAL):
+            value, high = getattr(self, name), 4096 if name == "block_size" else math.inf
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if not ((is_int and 1 <= value <= high) or (value is None and name in _OPTIONAL)):
+                allowed = f"in [1, {high}]" if high < math.inf else ">= 1"
+                raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
         if (isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))
                 or not math.isfinite(self.kv_cache_gb) or self.kv_cache_gb <= 0):
             raise ValueError(f"kv_cache_gb must be a finite number > 0, got {self.kv_cache_gb!r}")
@@ -78,11 +81,3 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
-
-
-def _int_at_least(name: str, value, low: int, high: int | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if ok and (high is None or value <= high):
-        return
-    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")

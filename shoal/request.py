@@ -129,8 +129,7 @@ class NewRequest:
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams, got "
                             f"{type(self.sampling).__name__}")
-        if self.request_id is not None and (not isinstance(self.request_id, str)
-                                            or not self.request_id):
+        if not isinstance(self.request_id, (str, type(None))) or self.request_id == "":
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
         for name in ("prompt", "cache_salt"):
             value = getattr(self, name)
