@@ -9,7 +9,7 @@ into its padded layout. See docs/design.md, "Attention on a GPU".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -23,10 +23,7 @@ ALIGN = 16  # int32 elements: 64 bytes
 def aligned_starts(sizes) -> list[int]:
     """Where each of vectors of these sizes starts in one int32 buffer, each on a 64-byte
     boundary, and (last) the buffer's size."""
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + cdiv(n, ALIGN) * ALIGN)
-    return starts
+    return [0, *accumulate(cdiv(n, ALIGN) * ALIGN for n in sizes)]
 
 
 @dataclass(slots=True)
