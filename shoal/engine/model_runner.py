@@ -97,9 +97,8 @@ class ModelRunner:
         probe = Request("shoal-bring-up-prefill", [1] * (context + num_tokens),
                         SamplingParams(max_tokens=1), frozenset())
         scratch = [self.kv_cache.scratch_block] * cdiv(context + num_tokens, self.block_size)
-        batch = ScheduledBatch([ScheduledChunk(probe, context, num_tokens,
-                                               probe.prompt_token_ids[context:], 0, scratch,
-                                               True, 0)], num_tokens)
+        chunk = ScheduledChunk(probe, context, num_tokens, [1] * num_tokens, 0, scratch, True, 0)
+        batch = ScheduledBatch([chunk], num_tokens)
         start = time.perf_counter()
         sampled = self.execute(batch, [num_tokens], eager=True)
         launch = time.perf_counter() - start if self.device.type == "cuda" else 0.0
