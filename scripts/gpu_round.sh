@@ -69,7 +69,7 @@ elif [ "$what" = loads ]; then
       >>"$OUT/loads.log"
     baseline=
   done
-  grep "## \|== \|launched in\|units, medians" "$OUT/loads.log" | cut -c1-150
+  grep "## \|== \|launched in\|units, medians\|shares, ms" "$OUT/loads.log" | cut -c1-150
 elif [ "$what" = leads ]; then
   # the tenth session's leads (docs/roadmap.md item 2), ~7 minutes on an H100: the first
   # short chunk's cold start with cuBLAS's kernels loaded lazily or eagerly; whole loads

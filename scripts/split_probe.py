@@ -48,6 +48,9 @@ kw = dict(device=os.environ.get("DEVICE", "cuda"), block_size=bs, max_num_tokens
           enable_prefix_caching=source != "tier")
 events: list[tuple[float, str]] = []
 units: list[dict[str, float]] = []  # (IO_TRACE) each load unit's times, in seconds
+# (IO_TRACE) each read process share's (blocks, ms): from the I/O thread's send to its
+# receipt of the answer (the process's reads, and any wait of that thread for the GIL)
+shares: list[tuple[int, float]] = []
 tracing = False
 
 
@@ -191,6 +194,7 @@ if os.environ.get("IO_TRACE"):  # where an I/O thread's time goes, unit by unit
         share = sent_at.pop(self.fileno(), None) if isinstance(out, list) else None
         if share is not None and tracing:
             ms = (time.perf_counter() - share[0]) * 1e3
+            shares.append((share[1], ms))
             events.append((share[0], f"share of {share[1]} blocks on fd {self.fileno()}: "
                                      f"{ms:.1f} ms"))
         return out
@@ -241,3 +245,9 @@ with bench_pool(None, **options) as connector:
                 print(f"   {len(units)} units, medians: "
                       + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
                 units.clear()
+            if shares:  # (IO_TRACE) this engine's read process shares, slowest first
+                per_block = sorted(ms / n for n, ms in shares)
+                print(f"   {len(shares)} shares, ms a block: min {per_block[0]:.2f}, median "
+                      f"{statistics.median(per_block):.2f}, max {per_block[-1]:.2f}; slowest "
+                      f"(blocks, ms): {sorted(shares, key=lambda x: -x[1])[:3]}")
+                shares.clear()

@@ -385,8 +385,10 @@ def test_bench_serve_with_an_engine_process(smollm2_path):
             assert math.isnan(means["srv_ttft"])
             continue
         # the engine's first token, then the server's, then the client's: in that order
-        assert 0 < means["srv_queue"] + means["srv_prefill"] \
-            <= means["srv_ttft"] <= means["ttft_mean"], (name, means)
+        # (within the table's rounding to 3 decimals: the first two are < 1 ms apart)
+        engine_first = means["srv_queue"] + means["srv_prefill"]
+        assert 0 < engine_first <= means["srv_ttft"] + 2e-3, (name, means)
+        assert means["srv_ttft"] <= means["ttft_mean"] + 1e-3, (name, means)
 
 
 def test_bench_serve_against_a_running_server(smollm2_path):

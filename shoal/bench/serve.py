@@ -64,7 +64,7 @@ class Phase:
     name: str
     samples: list[Sample] = field(default_factory=list)
     seconds: float = 0.0
-    server: dict = field(default_factory=dict)  # server_means() after it (servers only)
+    server: dict[str, float] = field(default_factory=dict)  # server_means() (servers only)
 
 
 def build_workload(docs: int, doc_tokens: int, questions: int, chats: int, turns: int,
@@ -266,11 +266,18 @@ def server_totals(url: str) -> dict[str, float]:
     """The sums and counts of the server's histograms (its /metrics), by name."""
     import httpx
 
-    totals = {}
-    for line in httpx.get(f"{url}/metrics", timeout=60.0).text.splitlines():
-        name = line.partition("{")[0]
+    return histogram_totals(httpx.get(f"{url}/metrics", timeout=60.0).text)
+
+
+def histogram_totals(exposition: str) -> dict[str, float]:
+    """The `shoal:` histograms' sums and counts of a text exposition, by name without the
+    prefix (each summed over its label sets)."""
+    totals: dict[str, float] = {}
+    for line in exposition.splitlines():
+        name = line.partition("{")[0].partition(" ")[0]
         if name.startswith("shoal:") and name.endswith(("_sum", "_count")):
-            totals[name[len("shoal:"):]] = float(line.rsplit(" ", 1)[-1])
+            key = name[len("shoal:"):]
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[-1])
     return totals
 
 

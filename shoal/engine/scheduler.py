@@ -290,7 +290,8 @@ class Scheduler:
         token_ids = req.token_ids(start, end)
         is_sampling = end == req.num_known_tokens
         req.num_computed_tokens = end
-        req.num_inflight_tokens += is_sampling  # (its sample, once the step runs)
+        if is_sampling:  # (its sample, once the step runs)
+            req.num_inflight_tokens += 1
         return ScheduledChunk(req, start, num_new, token_ids, num_new - len(token_ids),
                               req.block_ids, is_sampling, req.num_preemptions)
 
