@@ -115,6 +115,42 @@ def test_a_short_prefill_chunk_attends_absorbed_and_equals_expanded(tiny_moe_mod
 
 
 @torch.no_grad()
+def test_a_short_chunk_gives_the_kernel_a_table_aligned_as_at_bring_up(tiny_moe_models,
+                                                                        monkeypatch):
+    """Triton compiles a kernel for each 16-byte alignment of its pointers, and the bring-up
+    compiles MLA's decode for fresh (aligned) tensors. A short chunk's table must not be a
+    view of its row in the step's table, which starts 4 bytes a block of width further on
+    (on an H100 the eager engine compiled a fifth variant in a request)."""
+    from shoal.model.attention_backend import TritonBackend
+    from shoal.model.llama import AttentionMetadata, PagedInputs
+
+    cfg = ModelConfig.from_hf(hf_config(tiny_moe_models["deepseek_v2"]))
+    attn = MLAttention(cfg, 0, Shard(), TritonBackend())
+    bs, width = 4, 3  # row 1 starts 12 bytes after row 0
+    cache = torch.zeros(16, bs, 1, cfg.kv_lora_rank + cfg.head_dim)
+    chunks = [(1, 5), (2, 7)]  # two short chunks: (tokens this step, context after it)
+    lens, ctxs = [n for n, _ in chunks], [c for _, c in chunks]
+    starts, total = [0, lens[0]], sum(lens)
+    table = torch.arange(len(chunks) * width, dtype=torch.int32).view(len(chunks), width)
+    paged = PagedInputs(table, torch.tensor(starts), torch.tensor(lens), torch.tensor(ctxs),
+                        max(lens), host=(starts, lens, ctxs))
+    meta = AttentionMetadata(torch.zeros(total, dtype=torch.long),
+                             torch.zeros(total, dtype=torch.long), paged)
+    seen = []
+
+    def kernel(q, cache, table, lens, latent, scale):
+        seen.append([t.data_ptr() % 16 for t in (q, cache, table, lens)])
+        assert table.tolist() == [table[0].tolist()] * q.shape[0]  # one block list per row
+        return q.new_zeros(q.shape[0], q.shape[1], latent)
+
+    monkeypatch.setattr("shoal.model.mla.mla_decode", kernel)
+    q_nope = torch.randn(total, attn.num_heads, cfg.qk_nope_head_dim)
+    q_rot = torch.randn(total, attn.num_heads, cfg.head_dim)
+    attn._attend(q_nope, q_rot, meta, cache)
+    assert seen == [[0, 0, 0, 0]] * len(chunks)
+
+
+@torch.no_grad()
 def test_absorbed_decode_in_bfloat16_is_as_close_as_expanded(tiny_moe_models):
     """In bfloat16 both forms round differently; against the float64 answer the absorbed
     one is as close as the expanded one (which is what transformers computes)."""

@@ -111,9 +111,11 @@ class MLAttention(nn.Module):
             n = rows.stop - rows.start
             if n > ABSORBED_MAX_QUERY:
                 return self.expanded(q_nope[rows], q_rot[rows], cache, block_ids, ctx)
-            # one decode row per token, at its own context's end (the kernel takes a table
-            # of rows that share one block list: its row stride is not specialised on)
-            return self.absorbed(q_nope[rows], q_rot[rows], cache, block_ids.expand(n, -1),
+            # one decode row per token, at its own context's end; the rows' table a copy (a
+            # slice of the step's table may start off the 16-byte alignment that the kernel
+            # was compiled for at bring-up: a new variant in a request)
+            return self.absorbed(q_nope[rows], q_rot[rows], cache,
+                                 block_ids.expand(n, -1).contiguous(),
                                  list(range(ctx - n + 1, ctx + 1)))
 
         return attend_per_request(
