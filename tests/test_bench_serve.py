@@ -1,4 +1,4 @@
-"""shoal.bench.serve's own arithmetic; the bench end to end runs in test_cli.py."""
+"""shoal.bench.serve's own arithmetic; the bench end to end runs in test_bench.py."""
 
 import math
 
