@@ -6,6 +6,7 @@ import math
 import numbers
 import random
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -107,6 +108,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @cached_property  # (a frozen dataclass: cached in the instance's __dict__, never a field)
+    def is_plain(self) -> bool:
+        """Greedy, and nothing shapes its logits: its token is their argmax."""
+        return (self.is_greedy and not (self.has_penalties or self.logit_bias or self.min_tokens)
+                and self.structured_output is None)
+
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """logit_bias as sorted (token id, bias) pairs; ValueError/TypeError naming the field."""
@@ -147,6 +154,8 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor, rows) -> torch.Tensor:
         """logits [N, vocab] float32 -> [N] int64 token ids on the logits' device."""
         params = [r.sampling for r in rows]
+        if all(sp.is_plain for sp in params):  # (a step of greedy rows: the argmax alone)
+            return logits.argmax(dim=-1)
         raw = logits
         logits, counted = self._shape(logits, rows)
         structured = [i for i, sp in enumerate(params) if sp.structured_output is not None]

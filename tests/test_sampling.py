@@ -167,3 +167,17 @@ def test_token_counts_grow_and_rows_are_reused():
 def test_out_of_range_settings_are_refused_naming_the_field(field, value):
     with pytest.raises((TypeError, ValueError), match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("option", [dict(repetition_penalty=4.0), dict(frequency_penalty=2.0),
+                                    dict(presence_penalty=2.0), dict(logit_bias={0: -50.0}),
+                                    dict(min_tokens=2)], ids=lambda o: next(iter(o)))
+def test_each_setting_shapes_a_batch_where_no_other_row_has_one(option):
+    """A step of greedy rows with no setting takes the bare argmax (the sampler's quick way);
+    one setting in a batch of one row is not lost to it."""
+    logits = torch.tensor([[3.0, 2.0, 0.0]])  # token 0 (in the prompt, a stop id) leads by 1
+    def two_picks(sp: SamplingParams) -> list[int]:
+        sampler, batch = Sampler(), rows(("r", sp), prompt=(0,), stop={0})
+        return [sampler.sample(logits, batch)[0] for _ in range(2)]
+    assert two_picks(SamplingParams(max_tokens=4)) == [0, 0]
+    assert 1 in two_picks(SamplingParams(max_tokens=4, **option))
