@@ -96,7 +96,7 @@ class Request:
     @property
     def num_known_tokens(self) -> int:
         """Tokens that exist or will once the step in flight returns."""
-        return self.num_tokens + self.num_inflight_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_tokens
 
     @property
     def is_finished(self) -> bool:

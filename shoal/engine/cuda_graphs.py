@@ -152,8 +152,9 @@ class StepGraphs:
     def graph_for(self, batch) -> _Graph | None:
         """The graph that replays `batch` (None: it runs eagerly)."""
         chunks = batch.chunks
-        if 0 < len(chunks) <= self.max_size and all(c.num_tokens == 1 and c.is_sampling
-                                                   for c in chunks):
+        # (decodes only: a token each, every one sampled)
+        if 0 < len(chunks) <= self.max_size and batch.num_tokens == len(chunks) == len(
+                batch.sampled):
             return self.graphs["decode", next(s for s in self.decode_sizes if s >= len(chunks))]
         if (len(chunks) == 1 and 1 < chunks[0].num_tokens <= self.max_prefill
                 and chunks[0].request.sampling.prompt_logprobs is None):
@@ -175,7 +176,7 @@ class StepGraphs:
         self.num_prefill_replays += not g.decode
         for i in hooked:
             layer_hooks.save_kv_layer(i)
-        return g.logits[:sum(c.is_sampling for c in batch.chunks)]
+        return g.logits[:len(batch.sampled)]
 
     def prepare(self, g: _Graph, batch, runner) -> None:
         """`batch` written into its graph's inputs, its placeholders filled."""

@@ -240,7 +240,7 @@ class Engine:
                        else self.transfers.apply(batch.transfers, out.transfers))
             # (request, its output count before the update, TokenLogprobs) of each sample
             # whose request asked for logprobs (a sample the update drops gets none)
-            sampling = [c.request for c in batch.chunks if c.is_sampling]
+            sampling = batch.sampled
             asked = [(req, len(req.output_token_ids), lp)
                      for req, lp in zip(sampling, out.logprobs or ()) if lp is not None]
             for rid, position, lp in out.prompt_logprobs:  # a recompute writes the same again

@@ -70,7 +70,7 @@ class ModelRunner:
         `token_counts`: every ADP owner's tokens in this forward (one entry without ADP).
         `layer_hooks`: the connector's worker hooks, called around every layer. `eager`: no
         graph replay."""
-        sampling = [c for c in batch.chunks if c.is_sampling]
+        sampling = batch.sampled
         with torch.inference_mode():
             graph = None if eager or self.graphs is None else self.graphs.graph_for(batch)
             self.replayed = graph is not None
@@ -81,12 +81,12 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, meta, self.kv_cache.layers, layer_hooks)
                 logits = self.model.compute_logits(hidden[sample_rows])
                 self._prompt_logprobs = self._of_prompts(batch, hidden)
-            tokens = self.sampler.sample_on_device(logits, [c.request for c in sampling]).int()
+            tokens = self.sampler.sample_on_device(logits, sampling).int()
         self._prev_tokens = tokens
-        self._prev_rows = {c.request.request_id: row for row, c in enumerate(sampling)}
+        self._prev_rows = {req.request_id: row for row, req in enumerate(sampling)}
         sampled = SampledTokens(tokens)
-        num_top = [c.request.sampling.logprobs for c in sampling]
-        if any(k is not None for k in num_top):  # only rows whose request asked
+        if any(req.sampling.logprobs is not None for req in sampling):  # only those that asked
+            num_top = [req.sampling.logprobs for req in sampling]
             self._logprobs = compute_logprobs(logits, sampled.tolist(), num_top)
         return sampled
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from shoal.engine.transfer_poll import NO_TRANSFERS, TransferOutcome, TransferPlan
 from shoal.engine.transfers import KVTransfers
@@ -41,6 +42,11 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @cached_property
+    def sampled(self) -> list[Request]:
+        """The sampling chunks' requests, in chunk order (a token each from the step)."""
+        return [c.request for c in self.chunks if c.is_sampling]
 
 
 class Scheduler:
@@ -140,17 +146,19 @@ class Scheduler:
         self.release_deferred()
         finished = []
         tokens = iter(sampled)
+        fronts = self.transfers is not None and self.transfers.has_fronts
         for chunk in batch.chunks:
-            req = chunk.request
-            if chunk.epoch == req.num_preemptions and req.status == RequestStatus.RUNNING:
-                self.kv.cache_computed_blocks(req, chunk.start + chunk.num_tokens)
-                if self.transfers is not None and self.transfers.has_fronts:
+            req, end = chunk.request, chunk.start + chunk.num_tokens
+            if chunk.epoch == req.num_preemptions and req.status is RequestStatus.RUNNING:
+                if end // self.kv.block_size > req.num_cached_blocks:  # (a block was completed)
+                    self.kv.cache_computed_blocks(req, end)
+                if fronts:
                     self.transfers.front_applied(req)
             if not chunk.is_sampling:
                 continue
             token = next(tokens)
             req.num_inflight_tokens -= 1
-            if req.is_finished:
+            if req.finish_reason is not None:
                 continue  # the overlap loop ran one step past a stop token
             req.output_token_ids.append(token)
             if req.metrics.first_token_time is None:
@@ -286,10 +294,10 @@ class Scheduler:
         return None
 
     def _make_chunk(self, req: Request, num_new: int) -> ScheduledChunk:
-        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+        start = req.num_computed_tokens
+        end = req.num_computed_tokens = start + num_new
         token_ids = req.token_ids(start, end)
         is_sampling = end == req.num_known_tokens
-        req.num_computed_tokens = end
         if is_sampling:  # (its sample, once the step runs)
             req.num_inflight_tokens += 1
         return ScheduledChunk(req, start, num_new, token_ids, num_new - len(token_ids),

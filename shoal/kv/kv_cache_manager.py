@@ -37,11 +37,12 @@ class KVCacheManager:
         request's blocks to cover its computed tokens (at least the hit) + num_new_tokens.
         False (and nothing changes) when there are not enough free blocks."""
         num_hit = len(cached_block_ids)
+        if not num_hit and (req.num_computed_tokens + num_new_tokens
+                            <= len(req.block_ids) * self.block_size):
+            return True  # the common case, a decode step above all
         num_tokens = max(req.num_computed_tokens, num_hit * self.block_size)
         num_needed = max(cdiv(num_tokens + num_new_tokens, self.block_size)
                          - len(req.block_ids) - num_hit, 0)
-        if not (num_needed or num_hit):  # the common case, a decode step above all
-            return True
         # cached blocks sitting in the free queue stop being free once touched
         num_reclaimed = sum(self.pool.is_free(b) for b in cached_block_ids)
         if num_needed + num_reclaimed > self.pool.num_free_blocks:
