@@ -41,15 +41,13 @@ class BlockPool:
         """Take `num_blocks` from the head of the free queue; None if there are not enough."""
         if num_blocks > len(self._free):
             return None
-        ids = []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+        ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
+        for block_id in ids:
             block = self.blocks[block_id]
             if block.key is not None:  # evict its cached content
                 del self._cached[block.key]
                 block.key = None
             block.ref_count = 1
-            ids.append(block_id)
         return ids
 
     def touch(self, block_ids: list[int]) -> None:
