@@ -19,10 +19,9 @@ class KVCacheManager:
     def update_block_keys(self, req: Request) -> None:
         """Key every full block of the request's known tokens (nothing to do, and no work,
         until a decode step completes a block)."""
-        if req.num_tokens // self.block_size <= len(req.block_keys):
-            return
-        extend_block_keys(req.block_keys, req.token_ids(0, req.num_tokens), self.block_size,
-                          request_seed(self.namespace, req.cache_salt))
+        if req.num_tokens // self.block_size > len(req.block_keys):
+            extend_block_keys(req.block_keys, req.token_ids(0, req.num_tokens), self.block_size,
+                              request_seed(self.namespace, req.cache_salt))
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks of the longest locally cached prefix. Never covers the last known token: its
