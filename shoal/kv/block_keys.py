@@ -42,8 +42,7 @@ def shard_key(key: bytes, tp_rank: int, tp_size: int) -> bytes:
 
 
 def request_seed(namespace: bytes, cache_salt: str | None) -> bytes:
-    salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
-    return _h(namespace, salt)
+    return _h(namespace, b"" if cache_salt is None else b"salt:" + cache_salt.encode())
 
 
 def extend_block_keys(keys: list[bytes], token_ids: list[int], block_size: int,
