@@ -67,8 +67,7 @@ class EngineConfig:
         if self.dp_size > 1 and self.tp_size > 1:
             raise ValueError(f"dp_size={self.dp_size} with tp_size={self.tp_size}: combining "
                              "attention DP and TP is not supported (set one of them to 1)")
-        max_ranks = (torch.cuda.device_count() if self.device.startswith("cuda")
-                     else MAX_CPU_RANKS)
+        max_ranks = torch.cuda.device_count() if self.device.startswith("cuda") else MAX_CPU_RANKS
         for name in ("tp_size", "dp_size"):
             if getattr(self, name) > max_ranks:
                 raise ValueError(f"{name}={getattr(self, name)} is more ranks than allowed on "
