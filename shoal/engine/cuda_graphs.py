@@ -40,9 +40,8 @@ class _Graph:
         self._lengths = [tokens] * self.TOKEN_VECTORS + [self.seqs] * self.SEQ_VECTORS
         self._starts = aligned_starts(self._lengths)
         self.buffer = torch.zeros(self._starts[-1], dtype=torch.int32, device=device)
-        (self.ids, self.positions, self.slot_blocks, self.slot_offsets, starts, query_lens,
-         ctxs, self.table_rows, self.samples, self.fill_rows, self.sources) = self._vectors(
-            self.buffer)
+        (self.ids, self.positions, self.slot_blocks, self.slot_offsets, starts, query_lens, ctxs,
+         self.table_rows, self.samples, self.fill_rows, self.sources) = self._vectors(self.buffer)
         self.slot_blocks.fill_(scratch_block)
         self.table = torch.zeros(self.seqs, width, dtype=torch.int32, device=device)  # gathered
         self.scratch_block = scratch_block  # padded rows write it: no request owns it
