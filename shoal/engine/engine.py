@@ -240,9 +240,8 @@ class Engine:
                        else self.transfers.apply(batch.transfers, out.transfers))
             # (request, its output count before the update, TokenLogprobs) of each sample
             # whose request asked for logprobs (a sample the update drops gets none)
-            sampling = batch.sampled
             asked = [(req, len(req.output_token_ids), lp)
-                     for req, lp in zip(sampling, out.logprobs or ()) if lp is not None]
+                     for req, lp in zip(batch.sampled, out.logprobs or ()) if lp is not None]
             for rid, position, lp in out.prompt_logprobs:  # a recompute writes the same again
                 self._prompt_logprobs.setdefault(rid, {})[position] = lp
             # a step still in flight may write the blocks of requests ending now
