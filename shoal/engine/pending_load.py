@@ -127,9 +127,8 @@ class PendingLoad:
 
     def landed_start(self, block_size: int) -> int:
         """Tokens: where the finished load's landed blocks begin (the front computed the rest)."""
-        if not self.is_partial:
-            return self.num_cached
-        return min(self.landed_from * block_size, self.num_cached + self.num_external)
+        return (min(self.landed_from * block_size, self.end_token) if self.is_partial
+                else self.num_cached)
 
 
 def start_turns(loads: Iterable[PendingLoad], at: float, block_size: int,
