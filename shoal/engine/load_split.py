@@ -317,10 +317,9 @@ class LoadPlanner:
 
     def decision_rates(self, host_share: float) -> dict[str, float]:
         """The rates a hit's decision weighs (0: not measured yet), as PoolHit keeps them."""
-        expected = self.expected_rate(host_share)
+        load_tps, latency_s = self.expected_rate(host_share) or (0.0, 0.0)
         return {"prefill_tokens_per_s": self.prefill_tps.value or 0.0,
-                "load_tokens_per_s": expected[0] if expected else 0.0,
-                "load_latency_s": expected[1] if expected else 0.0}
+                "load_tokens_per_s": load_tps, "load_latency_s": latency_s}
 
     def _load_rate(self, num_landed: int, waited: float | None, host_share: float,
                    num_pending: int, ahead: int = 0) -> tuple[float, float, float] | None:
