@@ -311,9 +311,7 @@ class LoadPlanner:
             return None if Ls is None else (Ls, Fs or 0.0)
         if host_share >= 1:
             return Lh, Fh or 0.0
-        if Ls is None:
-            return None
-        return 1 / (host_share / Lh + (1 - host_share) / Ls), Fh or 0.0
+        return None if Ls is None else (1 / (host_share / Lh + (1 - host_share) / Ls), Fh or 0.0)
 
     def decision_rates(self, host_share: float) -> dict[str, float]:
         """The rates a hit's decision weighs (0: not measured yet), as PoolHit keeps them."""
