@@ -345,10 +345,8 @@ class LoadPlanner:
         g = self.load_slowdown.factor
         if waited is None:
             return L, F + ahead / L, g
-        overdue = waited - F
-        if overdue > 0:  # later than the latency, and no own rate to go by yet
-            return min(L, num_pending / overdue), 0.0, g
-        return L, -overdue, g
+        overdue = waited - F  # > 0: later than the latency, and no own rate to go by yet
+        return (min(L, num_pending / overdue), 0.0, g) if overdue > 0 else (L, -overdue, g)
 
     def stats(self) -> dict[str, float]:
         return {key: getattr(self, name).value or 0.0 for name, key in RATES.items()}
