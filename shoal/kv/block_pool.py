@@ -77,8 +77,8 @@ class BlockPool:
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """Blocks of the longest cached prefix of `keys` (not touched: call touch to hold them)."""
-        found = (self._cached.get(key) for key in keys)
-        return list(takewhile(lambda block_id: block_id is not None, found))  # to the first miss
+        # to the first miss
+        return list(takewhile(lambda b: b is not None, (self._cached.get(key) for key in keys)))
 
     def check_integrity(self) -> None:
         """Free queue, used blocks and the cache map reconcile; raises AssertionError if not."""
