@@ -56,12 +56,11 @@ class ConnectorCalls:
 
     def fail(self, what: str, request_id: str | None = None) -> None:
         """Record a fatal failure (the first one counts); the engine stops at its next step."""
-        if self.failure is not None:
-            return
-        about = f", request {request_id}" if request_id else ""
-        self.failure = (f"KV connector failure (owner {self.ctx.owner_rank}, rank {self.ctx.rank}"
-                        f"{about}): {what}. The engine must be restarted.")
-        log.error("%s", self.failure)
+        if self.failure is None:
+            about = f", request {request_id}" if request_id else ""
+            self.failure = (f"KV connector failure (owner {self.ctx.owner_rank}, rank "
+                            f"{self.ctx.rank}{about}): {what}. The engine must be restarted.")
+            log.error("%s", self.failure)
 
     def ask(self, hook: str, call: Callable[[Any], T], safe: T, request_id: str | None = None) -> T:
         """A scheduler-side hook, asked on the lead rank; every rank gets its answer and its
