@@ -153,9 +153,7 @@ class NewRequest:
         ValueError for structured output that could never run (no `tokenizer`) or end (no
         stop token). Checked where requests arrive (an engine, a fleet's front), as check_vocab."""
         sampling = self.sampling
-        stop = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop |= set(eos_token_ids)
+        stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
         if sampling.structured_output is not None:
             if not tokenizer.is_available:
                 raise ValueError("SamplingParams.structured_output needs the model's tokenizer "
