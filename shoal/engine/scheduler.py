@@ -102,9 +102,9 @@ class Scheduler:
                 i += 1
         transfers = self.transfers
         behind: list[Request] = []  # waiting for another request's hit of their next block
+        # (at most a batch of requests behind: each one skipped costs a lookup)
         while (self.waiting and budget > 0 and self.num_preemptions == num_preemptions
-               and len(self.running) < self.max_batch_size
-               and len(behind) < self.max_batch_size):  # (each one skipped costs a lookup)
+               and len(self.running) < self.max_batch_size and len(behind) < self.max_batch_size):
             req = self.waiting[0]
             assert req.num_inflight_tokens == 0 and not req.block_ids, req.request_id
             # prompt logprobs need every prompt position computed: no hit serves them
