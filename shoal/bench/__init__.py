@@ -30,6 +30,15 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     t.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no captured graphs (decode steps, short prefill chunks)")
+    pf = model_bench("prefill", "prefill tokens/s and MFU: the model's FLOPs against a "
+                     "matmul's rate measured in the same run", num_prompts=8, prompt_len=4096,
+                     rounds=3)
+    pf.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    pf.add_argument("--max-num-tokens", type=_positive,
+                    help="tokens per step, so the prefill's chunk (default: 16384 on a GPU, "
+                    "2048 on a CPU)")
+    pf.add_argument("--enforce-eager", action="store_true",
+                    help="CUDA: no captured graphs (short prefill chunks)")
     tt = model_bench("ttft", "TTFT of a long prefix from the pool (loaded whole; computed "
                      "from the front while the back loads) vs recomputed (--dp 2: two owners "
                      "sharing the pool; --tp 3: every engine a TP fleet)",
@@ -91,6 +100,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from shoal.bench.throughput import run_throughput
         return run_throughput(args.model, args.num_prompts, args.max_tokens, args.device,
                               args.rounds, args.prompt_len, args.dtype, args.enforce_eager)
+    if args.bench == "prefill":
+        from shoal.bench.prefill import run_prefill
+        return run_prefill(args.model, args.num_prompts, args.prompt_len, args.device,
+                           args.rounds, args.dtype, args.max_num_tokens, args.enforce_eager)
     if args.bench == "ttft":
         from shoal.bench.ttft import run_ttft, run_ttft_dp
         if args.dp > 1:
