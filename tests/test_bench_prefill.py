@@ -71,3 +71,5 @@ def test_bench_prefill_end_to_end(tiny_model):
                                           / result["matmul_peak_tflops"])
     r = shoal("bench", "prefill", "--model", tiny_model, "--prompt-len", "1024")
     assert r.returncode == 2 and "--prompt-len 1024" in r.stderr
+    r = shoal("bench", "prefill", "--model", tiny_model, "--rounds", "0")
+    assert r.returncode == 2 and "--rounds must be at least 1" in r.stderr

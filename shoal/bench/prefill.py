@@ -20,6 +20,8 @@ from shoal import LLM, SamplingParams
 from shoal.model.moe import SparseMoE
 from shoal.util import cdiv
 
+BLOCK_SIZE = 16  # tokens per KV block (the cache holds every prompt at once)
+
 
 def prefill_flops(model, prompt_len: int) -> float:
     """FLOPs to compute one prompt of `prompt_len` tokens with no cache, on one rank's
@@ -46,19 +48,22 @@ def prefill_flops(model, prompt_len: int) -> float:
 
 def matmul_peak(device: str, dtype: torch.dtype) -> float:
     """FLOP/s of a square matmul in `dtype` (8192 on a GPU, 2048 on a CPU): the fastest of 5
-    timed after a warm-up (the rate the device reaches)."""
-    n = 8192 if device.startswith("cuda") else 2048
+    timings after a warm-up, each of 8 back-to-back products on a GPU (the rate the device
+    reaches, launches hidden), one on a CPU."""
+    cuda = device.startswith("cuda")
+    n, reps = (8192, 8) if cuda else (2048, 1)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     times = []
     for _ in range(6):
-        if a.is_cuda:
+        if cuda:
             torch.cuda.synchronize(a.device)
         start = time.perf_counter()
-        torch.mm(a, b)
-        if a.is_cuda:
+        for _ in range(reps):
+            torch.mm(a, b)
+        if cuda:
             torch.cuda.synchronize(a.device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / reps)
     return 2 * n ** 3 / min(times[1:])
 
 
@@ -67,13 +72,15 @@ def run_prefill(model: str, num_prompts: int, prompt_len: int, device: str, roun
                 enforce_eager: bool = False) -> int:
     """Prints a summary and one JSON line: tokens/s, achieved TFLOP/s, the matmul peak and
     their ratio (MFU)."""
-    if prompt_len < 1 or num_prompts < 1 or rounds < 1:
-        raise ValueError("bench prefill needs --num-prompts, --prompt-len and --rounds >= 1")
+    for flag, value in (("num-prompts", num_prompts), ("prompt-len", prompt_len),
+                        ("rounds", rounds)):
+        if value < 1:
+            raise ValueError(f"bench prefill: --{flag} must be at least 1, got {value}")
     cuda = device.startswith("cuda")
     chunk = max_num_tokens or (16384 if cuda else 2048)
     kw = dict(device=device, dtype=dtype, enforce_eager=enforce_eager, max_num_tokens=chunk,
-              max_batch_size=num_prompts,
-              num_kv_blocks=num_prompts * cdiv(prompt_len + 1, 16) + 64)
+              max_batch_size=num_prompts, block_size=BLOCK_SIZE,
+              num_kv_blocks=num_prompts * cdiv(prompt_len + 1, BLOCK_SIZE) + 64)
     g = torch.Generator().manual_seed(0)
     seconds = []
     with LLM(model, **kw) as llm:
@@ -88,7 +95,8 @@ def run_prefill(model: str, num_prompts: int, prompt_len: int, device: str, roun
             passes = llm.engine.stats()["forward_passes"]
             start = time.perf_counter()
             outs = llm.generate(prompts, one, cache_salt=f"prefill-{round_}")
-            assert all(o.num_local_prefix_tokens == 0 for o in outs)
+            if any(o.num_local_prefix_tokens for o in outs):  # (a round of its own salt)
+                raise RuntimeError("bench prefill: a prompt was served from the prefix cache")
             seconds.append(max(o.metrics.first_token_time for o in outs) - start)
             steps = llm.engine.stats()["forward_passes"] - passes
         model_ = llm.engine.model
