@@ -181,3 +181,15 @@ def test_each_setting_shapes_a_batch_where_no_other_row_has_one(option):
         return [sampler.sample(logits, batch)[0] for _ in range(2)]
     assert two_picks(SamplingParams(max_tokens=4)) == [0, 0]
     assert 1 in two_picks(SamplingParams(max_tokens=4, **option))
+
+
+def test_a_step_of_plain_greedy_rows_shapes_nothing(monkeypatch):
+    """Greedy rows with no setting (whatever their top-k, top-p or seed) take the argmax
+    without a pass over their settings: the shaping is not even called."""
+    def shape(*_):
+        raise AssertionError("a plain step was shaped")
+    monkeypatch.setattr(Sampler, "_shape", shape)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    batch = rows(("a", SamplingParams()), ("b", SamplingParams(top_k=3, top_p=0.5, seed=4)),
+                 ("c", SamplingParams(min_p=0.2)))
+    assert Sampler().sample(logits, batch) == logits.argmax(-1).tolist()

@@ -151,10 +151,11 @@ class StepGraphs:
     def graph_for(self, batch) -> _Graph | None:
         """The graph that replays `batch` (None: it runs eagerly)."""
         chunks = batch.chunks
-        # (decodes only: a token each, every one sampled)
-        if 0 < len(chunks) <= self.max_size and batch.num_tokens == len(chunks) == len(
-                batch.sampled):
-            return self.graphs["decode", next(s for s in self.decode_sizes if s >= len(chunks))]
+        # decodes only, a token each and every one sampled (a chunk has at least one token,
+        # and num_tokens is their sum)
+        n = len(chunks)
+        if 0 < n <= self.max_size and batch.num_tokens == n == len(batch.sampled):
+            return self.graphs["decode", next(s for s in self.decode_sizes if s >= n)]
         if (len(chunks) == 1 and 1 < chunks[0].num_tokens <= self.max_prefill
                 and chunks[0].request.sampling.prompt_logprobs is None):
             return self.graphs["prefill", next(t for t in PREFILL_LADDER
