@@ -168,7 +168,10 @@ def redis_session_url(tmp_path_factory):
     url = shared_url()
     if url is not None:
         pytest.importorskip("redis", reason="the redis package is not installed")
-        yield url
+        # pytest-xdist's workers (gw0, gw1, ...) each take a database of their own: each
+        # test empties its database first
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        yield url.rsplit("/", 1)[0] + f"/{int(worker[2:]) + 1}" if worker else url
         return
     require_redis()
     server = RedisServer(tmp_path_factory.mktemp("redis"))
