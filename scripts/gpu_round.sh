@@ -19,6 +19,8 @@
 #   scripts/gpu_round.sh host             the engine's host floor per decode step (a tiny
 #                                         model's graphs at 64 and 256 rows) beside the 135M
 #                                         shape's step at 256 rows (issue 26)
+#   scripts/gpu_round.sh prefill [SHAPE ...]  issue 26's prefill MFU: shoal bench prefill (8 x 4096)
+#                                         for each shape (default llama-1b llama-8b)
 #   scripts/gpu_round.sh mla              MLA's expanded attention with and without cuDNN's
 #                                         SDPA, and V2-Lite's 8k TTFT from the pool either way
 # Before spending device time: `env -u TRITON_INTERPRET .venv/bin/python
@@ -52,6 +54,12 @@ elif [ "$what" = host ]; then
   done
   timeout 300 python3 scripts/generate_only.py random:smollm2-135m 256 256 3 2>&1 \
     | tee -a "$OUT/host.txt" | tail -4
+elif [ "$what" = prefill ]; then
+  shapes=("$@"); [ ${#shapes[@]} -eq 0 ] && shapes=(llama-1b llama-8b)
+  for shape in "${shapes[@]}"; do
+    timeout 240 python3 -m shoal bench prefill --model "random:$shape" --device cuda 2>&1 \
+      | tee -a "$OUT/prefill.log" | tail -2 | head -1
+  done
 elif [ "$what" = mla ]; then
   python3 scripts/mla_sdpa_probe.py 2>&1 | tee "$OUT/mla_probe.txt"
   for mode in ttft ttft-cudnn; do
