@@ -22,7 +22,7 @@ demo: venv
 	$(BIN)/shoal demo
 
 # two pytest-xdist workers: most tests wait on processes and sockets part of the time, and
-# two share 2 cores well (16 -> 8.5 minutes); each worker has a Redis database of its own
+# two share 2 cores well (15 -> 9 minutes); each worker has a Redis database of its own
 test: venv
 	$(BIN)/python -m pytest -q -n 2 --durations=25
 

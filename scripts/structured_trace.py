@@ -12,7 +12,7 @@ import collections, functools, os, sys, threading, time
 
 
 from shoal import LLM, SamplingParams, StructuredOutput
-from shoal.bench.throughput import _prompts
+from shoal.bench.throughput import bench_prompts
 from shoal.engine.engine import Engine
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.scheduler import Scheduler
@@ -71,7 +71,7 @@ def report(name, wall, steps, tok_s):
 
 
 with LLM(model, **kw) as llm:
-    prompts = _prompts(llm, n, 0)
+    prompts = bench_prompts(llm, n, 0)
     no_eos = {t: -100.0 for t in llm.engine.eos_token_ids}
     spec = StructuredOutput(regex=r"[A-Za-z0-9 ,.;:'!?\n-]+")
     runs = {"free": SamplingParams(max_tokens=m, logit_bias=no_eos),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]  # (shoal.config.DTYPES; no torch here)
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -27,13 +29,13 @@ def add_bench_parser(b: argparse.ArgumentParser) -> None:
 
     t = model_bench("throughput", "tokens/s vs transformers generate, and prefix-hit TTFT",
                     num_prompts=16, max_tokens=128, prompt_len=0, rounds=3)
-    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    t.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     t.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no captured graphs (decode steps, short prefill chunks)")
     pf = model_bench("prefill", "prefill tokens/s and MFU: the model's FLOPs against a "
                      "matmul's rate measured in the same run", num_prompts=8, prompt_len=4096,
                      rounds=3)
-    pf.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    pf.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     pf.add_argument("--max-num-tokens", type=_positive,
                     help="tokens per step, so the prefill's chunk (default: 16384 on a GPU, "
                     "2048 on a CPU)")

@@ -17,6 +17,7 @@ import time
 import torch
 
 from shoal import LLM, SamplingParams
+from shoal.bench.throughput import bench_prompts
 from shoal.model.moe import SparseMoE
 from shoal.util import cdiv
 
@@ -81,15 +82,13 @@ def run_prefill(model: str, num_prompts: int, prompt_len: int, device: str, roun
     kw = dict(device=device, dtype=dtype, enforce_eager=enforce_eager, max_num_tokens=chunk,
               max_batch_size=num_prompts, block_size=BLOCK_SIZE,
               num_kv_blocks=num_prompts * cdiv(prompt_len + 1, BLOCK_SIZE) + 64)
-    g = torch.Generator().manual_seed(0)
     seconds = []
     with LLM(model, **kw) as llm:
-        vocab, context = llm.engine.info.vocab_size, llm.engine.info.max_model_len
+        context = llm.engine.info.max_model_len
         if prompt_len >= context:
             raise ValueError(f"--prompt-len {prompt_len} leaves no room to sample: the "
                              f"model's context is {context} tokens")
-        prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
-                   for _ in range(num_prompts)]
+        prompts = bench_prompts(llm, num_prompts, prompt_len)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         for round_ in range(rounds + 1):  # the first warms up (kernels compile there)
             passes = llm.engine.stats()["forward_passes"]

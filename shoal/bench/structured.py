@@ -16,7 +16,7 @@ import re
 import statistics
 
 from shoal import LLM, SamplingParams, StructuredOutput
-from shoal.bench.throughput import _prompts
+from shoal.bench.throughput import bench_prompts
 from shoal.util import cdiv
 
 GRAMMARS = {
@@ -37,7 +37,7 @@ def run_structured(model: str, num_prompts: int, max_tokens: int, device: str,
         kw.update(max_batch_size=num_prompts, max_num_tokens=16384,
                   num_kv_blocks=num_prompts * cdiv(64 + max_tokens, 16) + 64)
     with LLM(model, **kw) as llm:
-        prompts = _prompts(llm, num_prompts, 0)
+        prompts = bench_prompts(llm, num_prompts, 0)
         no_eos = {t: -100.0 for t in llm.engine.eos_token_ids}
         free = SamplingParams(max_tokens=max_tokens, logit_bias=no_eos)
         bound = SamplingParams(max_tokens=max_tokens, logit_bias=no_eos, structured_output=spec)

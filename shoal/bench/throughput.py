@@ -73,7 +73,8 @@ def _memory_bandwidth(device: str) -> float:
     return 2 * x.numel() / statistics.median(times[1:])
 
 
-def _prompts(llm: LLM, num_prompts: int, prompt_len: int) -> list[list[int]]:
+def bench_prompts(llm: LLM, num_prompts: int, prompt_len: int) -> list[list[int]]:
+    """`prompt_len` random token ids each (seeded: the same every run), or (0) chat prompts."""
     if prompt_len:
         g = torch.Generator().manual_seed(0)
         vocab = llm.engine.info.vocab_size
@@ -100,7 +101,7 @@ def run_throughput(model: str, num_prompts: int, max_tokens: int, device: str,
         kw.update(max_batch_size=num_prompts, max_num_tokens=16384,
                   num_kv_blocks=num_prompts * cdiv((prompt_len or 64) + max_tokens, 16) + 64)
     with LLM(model, **kw) as llm:
-        prompts = _prompts(llm, num_prompts, prompt_len)
+        prompts = bench_prompts(llm, num_prompts, prompt_len)
         params = list(llm.engine.model.parameters())  # one rank: the model is here
         torch_dtype = params[0].dtype
         weight_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -129,7 +130,7 @@ def run_throughput(model: str, num_prompts: int, max_tokens: int, device: str,
 
         # TTFT of a long prompt computed, then the same prompt again (local prefix hit).
         if prompt_len:  # (within the model's context, with a token to generate)
-            long_prompt = _prompts(llm, 1, min(1990, llm.engine.info.max_model_len - 1))[0]
+            long_prompt = bench_prompts(llm, 1, min(1990, llm.engine.info.max_model_len - 1))[0]
         else:
             long_prompt = llm.tokenizer.encode(" ".join(
                 f"Line {i}: the tide rose over the harbor wall." for i in range(150)))
