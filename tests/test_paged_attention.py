@@ -88,6 +88,15 @@ def test_prefill_matches_reference(dtype, block_size, heads):
     check_prefill(dtype, block_size, heads, [(37, 37), (20, 90), (1, 17), (70, 70), (16, 48)])
 
 
+def test_prefill_with_a_head_dim_no_power_of_two():
+    """A head dim the kernel pads (48 in tiles of 64): the padding lanes are masked in the
+    tiles along the diagonal and in those every row sees whole (keys before a chunk's first
+    position, here up to 640), in one part and in three."""
+    for parts in (1, 3):
+        check_prefill(DTYPES[-1], 16, (4, 2), [(100, 700), (70, 70), (5, 200)], parts=parts,
+                      num_blocks=96, d=48)
+
+
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("parts", [2, 4, 16])
 def test_prefill_over_a_split_context_matches_reference(block_size, parts):
@@ -98,11 +107,12 @@ def test_prefill_over_a_split_context_matches_reference(block_size, parts):
                   parts=parts, num_blocks=96)
 
 
-def check_prefill(dtype, block_size, heads, chunks, parts=None, num_blocks=64):
-    """paged_prefill of `chunks` (new tokens, context after) against the reference."""
+def check_prefill(dtype, block_size, heads, chunks, parts=None, num_blocks=64, d=None):
+    """paged_prefill of `chunks` (new tokens, context after) against the reference; `d`
+    the head dim (None: 64 on a GPU, 32 on a CPU)."""
     g = torch.Generator().manual_seed(block_size + 7 * heads[0] + len(chunks))
     hq, hkv = heads
-    d = 64 if DEVICE == "cuda" else 32
+    d = d or (64 if DEVICE == "cuda" else 32)
     k_cache, v_cache = make_cache(num_blocks, block_size, hkv, d, dtype)
     table = tables([c for _, c in chunks], block_size, num_blocks, g)
     lens = [n for n, _ in chunks]

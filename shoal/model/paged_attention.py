@@ -36,6 +36,9 @@ except ImportError:  # the CPU wheel of torch comes without Triton: the referenc
 HAS_TRITON = triton is not None
 
 
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: logits scaled by log2(e)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -50,26 +53,41 @@ if HAS_TRITON:
     @triton.jit
     def _attend_tile(q, k_ptr, v_ptr, table_row_ptr, pos, valid, seen, d, stride_kb, stride_kt,
                      stride_vb, stride_vt, scale, m, total, acc, D: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+                     DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+                     MASKED: tl.constexpr):
         """One tile of keys at positions `pos` (`valid` ones exist; `seen` [rows, tile] says
-        which query sees which): their K/V read through the block table, folded into the
-        running (max m, sum total, accumulator acc) of the online softmax."""
+        which query sees which; MASKED False: every key exists and every query sees it),
+        their K/V read through the block table, folded into the running (max m, sum total,
+        accumulator acc) of the online softmax. `scale` is the logits' times log2(e): the
+        softmax runs in base 2 (exp2), m in those units."""
         # int64: a block's offset (block id x all layers' bytes of a block) passes 2**31
-        block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        if MASKED:
+            block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+        else:
+            block = tl.load(table_row_ptr + pos // BLOCK_SIZE)
+        block = block.to(tl.int64)
         slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :],
-                    mask=kv_mask, other=0.0)  # [tile, DP]
-        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k_at = k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :]
+        v_at = v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + d[None, :]
+        if MASKED:
+            kv_mask = valid[:, None] & (d[None, :] < D)
+            k = tl.load(k_at, mask=kv_mask, other=0.0)  # [tile, DP]
+            v = tl.load(v_at, mask=kv_mask, other=0.0)
+        elif D != DP:
+            k = tl.load(k_at, mask=d[None, :] < D, other=0.0)
+            v = tl.load(v_at, mask=d[None, :] < D, other=0.0)
+        else:
+            k = tl.load(k_at)
+            v = tl.load(v_at)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where(seen, s, float("-inf"))  # [rows, tile]
+        if MASKED:
+            s = tl.where(seen, s, float("-inf"))  # [rows, tile]
         m_new = tl.maximum(m, tl.max(s, 1))
         # a row that has seen no key yet (a later part of the context, past its position)
         # keeps max -inf: exp(-inf - -inf) would be NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
                                             input_precision=PRECISION).to(tl.float32)
@@ -104,7 +122,7 @@ if HAS_TRITON:
             m, total, acc = _attend_tile(
                 q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table_ptr + b * stride_table,
                 pos, valid, valid[None, :], d, stride_kb, stride_kt, stride_vb, stride_vt, scale,
-                m, total, acc, D, BLOCK_SIZE, PRECISION)
+                m, total, acc, D, DP, BLOCK_SIZE, PRECISION, True)
             start += TILE
         # a padding row (ctx 0) attends to nothing: 0, not 0/0
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -142,16 +160,27 @@ if HAS_TRITON:
             per_part = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_parts) * BLOCK_N
             start = part * per_part
             end = tl.minimum(hi, start + per_part)
+            # the tiles every row of this one sees whole (keys up to its first row's
+            # position) take no mask; the rest, along the diagonal, do
+            unmasked = tl.maximum(start, tl.minimum(end, (ctx - n + tile * BLOCK_M + 1)
+                                                    // BLOCK_N * BLOCK_N))
             kt = tl.arange(0, BLOCK_N)
-            while start < end:
-                pos = start + kt
+            table_row = table_ptr + s_idx * stride_table
+            k_head = k_ptr + kvh * stride_kh
+            v_head = v_ptr + kvh * stride_vh
+            for key0 in tl.range(start, unmasked, BLOCK_N):
+                m, total, acc = _attend_tile(
+                    q, k_head, v_head, table_row, key0 + kt, None, None, d, stride_kb,
+                    stride_kt, stride_vb, stride_vt, scale, m, total, acc, D, DP, BLOCK_SIZE,
+                    PRECISION, False)
+            for key0 in tl.range(unmasked, end, BLOCK_N):
+                pos = key0 + kt
                 valid = pos < end
                 seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
                 m, total, acc = _attend_tile(
-                    q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
-                    table_ptr + s_idx * stride_table, pos, valid, seen, d, stride_kb, stride_kt,
-                    stride_vb, stride_vt, scale, m, total, acc, D, BLOCK_SIZE, PRECISION)
-                start += BLOCK_N
+                    q, k_head, v_head, table_row, pos, valid, seen, d, stride_kb, stride_kt,
+                    stride_vb, stride_vt, scale, m, total, acc, D, DP, BLOCK_SIZE, PRECISION,
+                    True)
             if num_parts == 1:
                 out = acc / tl.where(total > 0, total, 1.0)[:, None]
                 tl.store(o_ptr + (row0 + rows)[:, None] * stride_ot + h * stride_oh
@@ -189,8 +218,8 @@ if HAS_TRITON:
                                    mask=row_mask[:, None], other=0.0)
                 m_new = tl.maximum(m, m_part)
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - m_safe)
-                beta = tl.exp(m_part - m_safe)
+                alpha = tl.exp2(m - m_safe)  # (the parts' maxima are in base 2)
+                beta = tl.exp2(m_part - m_safe)
                 total = total * alpha + total_part * beta
                 acc = acc * alpha[:, None] + acc_part * beta[:, None]
                 m = m_new
@@ -267,7 +296,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, block_table, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_table.stride(0), head_dim ** -0.5, G=group, GP=max(16, _next_pow2(group)),
+        block_table.stride(0), head_dim ** -0.5 * LOG2E, G=group, GP=max(16, _next_pow2(group)),
         D=head_dim, DP=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size, TILE=tile,
         PRECISION=_precision(q))
     return out
@@ -303,9 +332,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, part_out, stats, block_table, q_starts, q_lens, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_table.stride(0), q.shape[0], parts, head_dim ** -0.5, H=num_heads,
+        block_table.stride(0), q.shape[0], parts, head_dim ** -0.5 * LOG2E, H=num_heads,
         G=num_heads // num_kv_heads, D=head_dim, DP=dp, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=64, PRECISION=_precision(q))
+        BLOCK_N=PREFILL_KEYS, PRECISION=_precision(q), num_warps=PREFILL_WARPS,
+        num_stages=PREFILL_STAGES)
     if parts > 1:
         _combine_kernel[(q_lens.shape[0], tiles, num_heads)](
             out, part_out, stats, q_starts, q_lens, out.stride(0), out.stride(1), q.shape[0],
@@ -314,6 +344,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 PREFILL_TILE = 64  # query rows of a prefill program
+PREFILL_KEYS = 64  # keys of a prefill program's tile
+PREFILL_WARPS, PREFILL_STAGES = 4, 2  # its launch: warps, and the key loop's pipeline depth
 MAX_PARTS = 16
 PART_KEYS = 512  # the fewest keys a part of a split context walks
 # programs (request tiles x heads x parts) per SM a split context aims at. H100, 64 new

@@ -1,0 +1,135 @@
+"""Prefill attention on the GPU: the paged Triton kernel against SDPA's flash kernel, and
+where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
+
+    PYTHONPATH=$PWD python3 scripts/prefill_attn_probe.py [OLD_TREE] [CONFIGS] [MODEL]
+
+1. Attention alone, 8 prompts x 4096 tokens from nothing, for Llama-1B's heads (32 query
+   heads, 8 KV heads, dim 64) and Llama-8B's (dim 128), bf16, blocks of 16 in a shuffled
+   table: TFLOP/s of the kernel in OLD_TREE (default .base: the tree before the change),
+   of this tree's at each CONFIGS entry (BLOCK_M:BLOCK_N:warps:stages, comma-separated), and
+   of SDPA's flash kernel on contiguous tensors (no table: the bar to clear). Then a short
+   chunk over a long context (64 new tokens over 8192, the rest of a prompt after a pool
+   hit) for the split-context path. Each output is checked against the old kernel's.
+2. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
+   torch.profiler, the GPU's time by kernel family.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from shoal.model import paged_attention as pa
+
+BLOCK = 16
+
+
+def _load(tree: str):
+    spec = importlib.util.spec_from_file_location(
+        "old_paged_attention", f"{tree}/shoal/model/paged_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _time(fn, reps: int = 10) -> float:
+    """Median seconds of `fn` by CUDA events, after two warm-up calls."""
+    fn(), fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _case(num_prompts, new, ctx, hq, hkv, d):
+    """Queries, a shuffled paged cache and the step's layout tensors."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    per = -(-ctx // BLOCK)
+    blocks = num_prompts * per + 1
+    cache = torch.randn(blocks, 2, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda",
+                        generator=g)
+    table = torch.randperm(blocks - 1, device="cuda", generator=g)[:num_prompts * per]
+    table = table.view(num_prompts, per).to(torch.int32)
+    q = torch.randn(num_prompts * new, hq, d, dtype=torch.bfloat16, device="cuda", generator=g)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, num_prompts * new, new, **i32)
+    lens = torch.full((num_prompts,), new, **i32)
+    ctxs = torch.full((num_prompts,), ctx, **i32)
+    return q, cache[:, 0], cache[:, 1], table, starts, lens, ctxs
+
+
+def _flops(num_prompts, new, ctx, hq, d):
+    """Causal q.k and p.v: 2 FLOPs per product, (d + d) per pair, per head."""
+    pairs = sum(ctx - new + i + 1 for i in range(new))
+    return num_prompts * hq * 2 * d * 2 * pairs
+
+
+def attention(old, configs):
+    for name, (hq, hkv, d) in (("1B", (32, 8, 64)), ("8B", (32, 8, 128))):
+        for num_prompts, new, ctx in ((8, 4096, 4096), (8, 64, 8192)):
+            q, k_cache, v_cache, table, starts, lens, ctxs = _case(num_prompts, new, ctx,
+                                                                   hq, hkv, d)
+            flops = _flops(num_prompts, new, ctx, hq, d)
+
+            def run(mod):
+                return lambda: mod.paged_prefill(q, k_cache, v_cache, table, starts, lens,
+                                                 ctxs, new)
+            ref = run(old)()
+            print(f"== {name} heads {hq}/{hkv} dim {d}: {num_prompts} x {new} new over {ctx}")
+            t = _time(run(old))
+            print(f"  old kernel            {t * 1e3:8.3f} ms {flops / t / 1e12:6.1f} TFLOP/s")
+            for cfg in configs:
+                pa.PREFILL_TILE, pa.PREFILL_KEYS, pa.PREFILL_WARPS, pa.PREFILL_STAGES = cfg
+                try:
+                    out = run(pa)()
+                    err = (out.float() - ref.float()).abs().max().item()
+                    t = _time(run(pa))
+                    print(f"  new {':'.join(map(str, cfg)):17s} {t * 1e3:8.3f} ms "
+                          f"{flops / t / 1e12:6.1f} TFLOP/s  max |new - old| {err:.3g}")
+                except Exception as e:  # (a config that does not fit in shared memory)
+                    print(f"  new {':'.join(map(str, cfg)):17s} failed: {str(e)[:100]}")
+            if new == ctx:
+                qs = q.view(num_prompts, new, hq, d).transpose(1, 2)
+                ks = torch.randn(num_prompts, hq, ctx, d, dtype=q.dtype, device="cuda")
+
+                def flash():
+                    with torch.nn.attention.sdpa_kernel(
+                            torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                        return F.scaled_dot_product_attention(qs, ks, ks, is_causal=True)
+                t = _time(flash)
+                print(f"  SDPA flash (no table) {t * 1e3:8.3f} ms {flops / t / 1e12:6.1f} TFLOP/s")
+
+
+def families(model: str):
+    from shoal import LLM, SamplingParams
+    from shoal.bench.throughput import bench_prompts
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    with LLM(model, device="cuda", max_num_tokens=16384, max_batch_size=8, block_size=BLOCK,
+             num_kv_blocks=8 * 258 + 64) as llm:
+        prompts = bench_prompts(llm, 8, 4096)
+        llm.generate(prompts, one, cache_salt="warm")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, one, cache_salt="profiled")
+    rows = [(e.key, e.device_time_total) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(t for _, t in rows)
+    print(f"== {model}: 8 x 4096, GPU busy {total / 1e3:.1f} ms")
+    for key, t in sorted(rows, key=lambda r: -r[1])[:14]:
+        print(f"  {t / 1e3:8.2f} ms {t / total:6.1%}  {key[:90]}")
+
+
+if __name__ == "__main__":
+    old = _load(sys.argv[1] if len(sys.argv) > 1 else ".base")
+    configs = [tuple(int(x) for x in c.split(":"))
+               for c in (sys.argv[2] if len(sys.argv) > 2 else "64:64:4:2").split(",")]
+    attention(old, configs)
+    families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")
