@@ -135,15 +135,22 @@ class DecoderLayer(nn.Module):
         self.mlp = (SparseMoE(cfg, shard, backend) if layer_idx in cfg.moe_layers
                     else MLP(cfg.hidden_size, cfg.intermediate_size, shard, backend))
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+    def forward(self, x, residual, cos, sin, meta, k_cache, v_cache):
+        """-> (h, residual): the layer's output is h + residual, a sum left to the next
+        layer's fused add + norm (or the model's end); `residual` None: x is the input."""
         if not self.backend.fused:  # the reference ops
+            x = x if residual is None else x + residual
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-            return x + self.mlp(self.post_attention_layernorm(x), meta)
+            return self.mlp(self.post_attention_layernorm(x), meta), x
         from shoal.model.fused_ops import add_rms_norm, rms_norm  # fused kernels
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        h = self.self_attn(rms_norm(x, norm1.weight, norm1.eps), cos, sin, meta, k_cache, v_cache)
-        h, x = add_rms_norm(h, x, norm2.weight, norm2.eps)
-        return x + self.mlp(h, meta)
+        if residual is None:
+            h, residual = rms_norm(x, norm1.weight, norm1.eps), x
+        else:
+            h, residual = add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h = self.self_attn(h, cos, sin, meta, k_cache, v_cache)
+        h, residual = add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        return self.mlp(h, meta), residual
 
 
 def check_shardable(cfg: ModelConfig, size: int, field: str = "tp_size") -> None:
@@ -248,13 +255,14 @@ class LlamaModel(nn.Module):
         if self.rope_factor != 1.0:  # YaRN
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
             if layer_hooks is not None:
                 layer_hooks.wait_for_layer_load(i)
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
+            x, residual = layer(x, residual, cos, sin, meta, k_cache, v_cache)
             if layer_hooks is not None:
                 layer_hooks.save_kv_layer(i)
-        return x
+        return x if residual is None else x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (already the rows to sample) -> logits [N, vocab] float32."""
