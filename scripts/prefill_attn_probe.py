@@ -2,6 +2,7 @@
 where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
 
     PYTHONPATH=$PWD python3 scripts/prefill_attn_probe.py [OLD_TREE] [CONFIGS] [MODEL]
+        [DECODE_CONFIGS]
 
 1. Attention alone, 8 prompts x 4096 tokens from nothing, for Llama-1B's heads (32 query
    heads, 8 KV heads, dim 64) and Llama-8B's (dim 128), bf16, blocks of 16 in a shuffled
@@ -10,7 +11,10 @@ where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
    of SDPA's flash kernel on contiguous tensors (no table: the bar to clear). Then a short
    chunk over a long context (64 new tokens over 8192, the rest of a prompt after a pool
    hit) for the split-context path. Each output is checked against the old kernel's.
-2. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
+2. Decode alone: 256 rows over 320 and 2048 keys each (a throughput bench's batch, a long
+   context), the same heads: the K/V bytes read per second by the old kernel and by this
+   tree's at each DECODE_CONFIGS entry (TILE:warps:stages).
+3. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
    torch.profiler, the GPU's time by kernel family.
 """
 
@@ -109,6 +113,30 @@ def attention(old, configs):
                 print(f"  SDPA flash (no table) {t * 1e3:8.3f} ms {flops / t / 1e12:6.1f} TFLOP/s")
 
 
+def decode(old, configs):
+    for name, (hq, hkv, d) in (("1B", (32, 8, 64)), ("8B", (32, 8, 128))):
+        for rows, ctx in ((256, 320), (256, 2048)):
+            _, k_cache, v_cache, table, _, _, ctxs = _case(rows, 1, ctx, hq, hkv, d)
+            q = torch.randn(rows, hq, d, dtype=torch.bfloat16, device="cuda")
+            kv_bytes = 2 * rows * ctx * hkv * d * 2
+
+            def run(mod):
+                return lambda: mod.paged_decode(q, k_cache, v_cache, table, ctxs)
+            ref = run(old)()
+            print(f"== decode {name} heads {hq}/{hkv} dim {d}: {rows} rows over {ctx} keys")
+            t = _time(run(old))
+            print(f"  old kernel            {t * 1e6:8.1f} us {kv_bytes / t / 1e9:7.0f} GB/s")
+            for cfg in configs:
+                pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = cfg
+                try:
+                    err = (run(pa)().float() - ref.float()).abs().max().item()
+                    t = _time(run(pa))
+                    print(f"  new {':'.join(map(str, cfg)):17s} {t * 1e6:8.1f} us "
+                          f"{kv_bytes / t / 1e9:7.0f} GB/s  max |new - old| {err:.3g}")
+                except Exception as e:
+                    print(f"  new {':'.join(map(str, cfg)):17s} failed: {str(e)[:100]}")
+
+
 def families(model: str):
     from shoal import LLM, SamplingParams
     from shoal.bench.throughput import bench_prompts
@@ -132,4 +160,7 @@ if __name__ == "__main__":
     configs = [tuple(int(x) for x in c.split(":"))
                for c in (sys.argv[2] if len(sys.argv) > 2 else "64:64:4:2").split(",")]
     attention(old, configs)
+    pa.PREFILL_TILE, pa.PREFILL_KEYS, pa.PREFILL_WARPS, pa.PREFILL_STAGES = configs[0]
+    decode(old, [tuple(int(x) for x in c.split(":"))
+                 for c in (sys.argv[4] if len(sys.argv) > 4 else "32:4:2").split(",")])
     families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")

@@ -115,15 +115,21 @@ if HAS_TRITON:
         total = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
         t = tl.arange(0, TILE)
-        start = 0
-        while start < ctx:  # (a while loop: Triton's interpreter takes no loaded range bound)
-            pos = start + t
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+        table_row = table_ptr + b * stride_table
+        whole = ctx // TILE * TILE  # whole tiles take no mask; the last part of one does
+        for start in tl.range(0, whole, TILE):
+            m, total, acc = _attend_tile(
+                q, k_head, v_head, table_row, start + t, None, None, d, stride_kb, stride_kt,
+                stride_vb, stride_vt, scale, m, total, acc, D, DP, BLOCK_SIZE, PRECISION, False)
+        if whole < ctx:
+            pos = whole + t
             valid = pos < ctx
             m, total, acc = _attend_tile(
-                q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, table_ptr + b * stride_table,
-                pos, valid, valid[None, :], d, stride_kb, stride_kt, stride_vb, stride_vt, scale,
-                m, total, acc, D, DP, BLOCK_SIZE, PRECISION, True)
-            start += TILE
+                q, k_head, v_head, table_row, pos, valid, valid[None, :], d, stride_kb,
+                stride_kt, stride_vb, stride_vt, scale, m, total, acc, D, DP, BLOCK_SIZE,
+                PRECISION, True)
         # a padding row (ctx 0) attends to nothing: 0, not 0/0
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -291,14 +297,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
-    tile = max(block_size, 32)
+    tile = max(block_size, DECODE_KEYS)
     _decode_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_table, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_table.stride(0), head_dim ** -0.5 * LOG2E, G=group, GP=max(16, _next_pow2(group)),
         D=head_dim, DP=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size, TILE=tile,
-        PRECISION=_precision(q))
+        PRECISION=_precision(q), num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
     return out
 
 
@@ -343,6 +349,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+DECODE_KEYS = 32  # keys of a decode program's tile (at least a block)
+DECODE_WARPS, DECODE_STAGES = 4, 2  # its launch: warps, and the key loop's pipeline depth
 PREFILL_TILE = 64  # query rows of a prefill program
 PREFILL_KEYS = 64  # keys of a prefill program's tile
 PREFILL_WARPS, PREFILL_STAGES = 4, 2  # its launch: warps, and the key loop's pipeline depth
