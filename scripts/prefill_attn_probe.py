@@ -14,7 +14,8 @@ where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
 2. Decode alone: 256 rows over 320 and 2048 keys each (a throughput bench's batch, a long
    context), the same heads: the K/V bytes read per second by the old kernel and by this
    tree's at each DECODE_CONFIGS entry (TILE:warps:stages).
-3. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
+3. DeepSeek-V2-Lite's latent decode, old kernel and new, 256 rows over 320 and 2048 keys.
+4. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
    torch.profiler, the GPU's time by kernel family.
 """
 
@@ -137,6 +138,30 @@ def decode(old, configs):
                     print(f"  new {':'.join(map(str, cfg)):17s} failed: {str(e)[:100]}")
 
 
+def mla_decode(old_tree: str):
+    """DeepSeek-V2-Lite's latent decode (16 heads, latent 512 + rotary 64), 256 rows."""
+    from shoal.model import paged_mla
+    spec = importlib.util.spec_from_file_location("old_paged_mla",
+                                                  f"{old_tree}/shoal/model/paged_mla.py")
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    for rows, ctx in ((256, 320), (256, 2048)):
+        per = -(-ctx // BLOCK)
+        cache = torch.randn(rows * per + 1, BLOCK, 1, 576, dtype=torch.bfloat16, device="cuda")
+        table = torch.randperm(rows * per, device="cuda")[:rows * per].view(rows, per)
+        table = table.to(torch.int32)
+        lens = torch.full((rows,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(rows, 16, 576, dtype=torch.bfloat16, device="cuda")
+        nbytes = rows * ctx * 576 * 2
+        ref = old.mla_decode(q, cache, table, lens, 512, 0.1)
+        for label, mod in (("old", old), ("new", paged_mla)):
+            err = (mod.mla_decode(q, cache, table, lens, 512, 0.1).float()
+                   - ref.float()).abs().max().item()
+            t = _time(lambda: mod.mla_decode(q, cache, table, lens, 512, 0.1))
+            print(f"== MLA decode {rows} rows over {ctx}: {label} {t * 1e6:8.1f} us "
+                  f"{nbytes / t / 1e9:7.0f} GB/s  max |diff| {err:.3g}")
+
+
 def families(model: str):
     from shoal import LLM, SamplingParams
     from shoal.bench.throughput import bench_prompts
@@ -163,4 +188,5 @@ if __name__ == "__main__":
     pa.PREFILL_TILE, pa.PREFILL_KEYS, pa.PREFILL_WARPS, pa.PREFILL_STAGES = configs[0]
     decode(old, [tuple(int(x) for x in c.split(":"))
                  for c in (sys.argv[4] if len(sys.argv) > 4 else "32:4:2").split(",")])
+    mla_decode(sys.argv[1] if len(sys.argv) > 1 else ".base")
     families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")

@@ -53,8 +53,7 @@ if HAS_TRITON:
         total = tl.zeros([HT], tl.float32)
         acc = tl.zeros([HT, L], tl.float32)
         t = tl.arange(0, TILE)
-        start = split * per
-        while start < end:
+        for start in tl.range(split * per, end, TILE):  # (pipelined: loads run ahead)
             pos = start + t
             valid = pos < end
             # int64: a block's offset (block id x all layers' bytes of a block) passes 2**31
@@ -74,7 +73,6 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent,
                                                 input_precision=PRECISION).to(tl.float32)
             m = m_new
-            start += TILE
         if SPLITS == 1:
             out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row (ctx 0): 0
             tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + lat[None, :],
