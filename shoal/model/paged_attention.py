@@ -349,7 +349,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-DECODE_KEYS = 32  # keys of a decode program's tile (at least a block)
+DECODE_KEYS = 64  # keys of a decode program's tile (at least a block)
 DECODE_WARPS, DECODE_STAGES = 4, 2  # its launch: warps, and the key loop's pipeline depth
 PREFILL_TILE = 64  # query rows of a prefill program
 PREFILL_KEYS = 64  # keys of a prefill program's tile
