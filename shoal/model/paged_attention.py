@@ -17,8 +17,17 @@ never materialise the gathered context. GQA: query head h reads KV head h // G.
              softmax is kept, and a second kernel folds them (64 new tokens over 8192:
              0.42 -> 0.10 ms on an H100)
 
-The gather + SDPA path in `shoal.model.llama.Attention` is the reference these are tested
-against (tests/test_paged_attention.py; on CPU through Triton's interpreter).
+Both walk the keys in a pipelined loop (`tl.range`: the next tiles' loads are issued while
+this one is computed); tiles every query sees whole take no mask (in prefill those before
+a query tile's first position, in decode all but the last), and the softmax runs in base
+2 (logits scaled by log2(e), exp2). H100, bf16, 8 prompts x 4096 tokens from nothing: the
+prefill kernel went from 204 to 272 TFLOP/s with Llama-1B's heads (SDPA's flash kernel on
+contiguous tensors: 284) and from 179 to 303 with Llama-8B's (flash: 330); decode, 256
+rows over 320 keys, 118 -> 96 us (1B) and 179 -> 159 us (8B)
+(`scripts/prefill_attn_probe.py`).
+
+The gather + SDPA path (`TorchBackend` in shoal.model.attention_backend) is the reference
+these are tested against (tests/test_paged_attention.py; on CPU through Triton's interpreter).
 """
 
 from __future__ import annotations
