@@ -15,7 +15,8 @@ where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
    context), the same heads: the K/V bytes read per second by the old kernel and by this
    tree's at each DECODE_CONFIGS entry (TILE:warps:stages).
 3. DeepSeek-V2-Lite's latent decode, old kernel and new, 256 rows over 320 and 2048 keys.
-4. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
+4. The 1B and 8B dense layers' matmuls of a 16384-token step, each alone, in TFLOP/s.
+5. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
    torch.profiler, the GPU's time by kernel family.
 """
 
@@ -162,6 +163,23 @@ def mla_decode(old_tree: str):
                   f"{nbytes / t / 1e9:7.0f} GB/s  max |diff| {err:.3g}")
 
 
+def gemms(tokens: int = 16384):
+    """The dense layers' matmuls of one prefill step (16384 tokens) for the 1B and 8B
+    shapes, each alone: TFLOP/s, against a square 8192 matmul timed here too."""
+    shapes = {"1B": (2048, 3072, 8192), "8B": (4096, 6144, 14336)}  # hidden, qkv, mlp
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = _time(lambda: a @ a)
+    print(f"== matmuls: 8192 square {2 * 8192 ** 3 / t / 1e12:6.1f} TFLOP/s")
+    for name, (hidden, qkv, mlp) in shapes.items():
+        for label, k, n in (("qkv", hidden, qkv), ("o", hidden, hidden),
+                            ("gate_up", hidden, 2 * mlp), ("down", mlp, hidden)):
+            x = torch.randn(tokens, k, dtype=torch.bfloat16, device="cuda")
+            w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+            t = _time(lambda: F.linear(x, w))
+            print(f"  {name} {label:8s} [{tokens} x {k}] x [{k} x {n}] "
+                  f"{2 * tokens * k * n / t / 1e12:6.1f} TFLOP/s")
+
+
 def families(model: str):
     from shoal import LLM, SamplingParams
     from shoal.bench.throughput import bench_prompts
@@ -189,4 +207,5 @@ if __name__ == "__main__":
     decode(old, [tuple(int(x) for x in c.split(":"))
                  for c in (sys.argv[4] if len(sys.argv) > 4 else "32:4:2").split(",")])
     mla_decode(sys.argv[1] if len(sys.argv) > 1 else ".base")
+    gemms()
     families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")
