@@ -204,8 +204,10 @@ if __name__ == "__main__":
                for c in (sys.argv[2] if len(sys.argv) > 2 else "64:64:4:2").split(",")]
     attention(old, configs)
     pa.PREFILL_TILE, pa.PREFILL_KEYS, pa.PREFILL_WARPS, pa.PREFILL_STAGES = configs[0]
+    shipped = pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES
     decode(old, [tuple(int(x) for x in c.split(":"))
-                 for c in (sys.argv[4] if len(sys.argv) > 4 else "32:4:2").split(",")])
+                 for c in (sys.argv[4] if len(sys.argv) > 4 else "64:4:2").split(",")])
+    pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = shipped
     mla_decode(sys.argv[1] if len(sys.argv) > 1 else ".base")
     gemms()
     families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")
