@@ -118,8 +118,7 @@ def attention(old, configs):
 def decode(old, configs):
     for name, (hq, hkv, d) in (("1B", (32, 8, 64)), ("8B", (32, 8, 128))):
         for rows, ctx in ((256, 320), (256, 2048)):
-            _, k_cache, v_cache, table, _, _, ctxs = _case(rows, 1, ctx, hq, hkv, d)
-            q = torch.randn(rows, hq, d, dtype=torch.bfloat16, device="cuda")
+            q, k_cache, v_cache, table, _, _, ctxs = _case(rows, 1, ctx, hq, hkv, d)
             kv_bytes = 2 * rows * ctx * hkv * d * 2
 
             def run(mod):
@@ -149,8 +148,7 @@ def mla_decode(old_tree: str):
     for rows, ctx in ((256, 320), (256, 2048)):
         per = -(-ctx // BLOCK)
         cache = torch.randn(rows * per + 1, BLOCK, 1, 576, dtype=torch.bfloat16, device="cuda")
-        table = torch.randperm(rows * per, device="cuda")[:rows * per].view(rows, per)
-        table = table.to(torch.int32)
+        table = torch.randperm(rows * per, device="cuda").view(rows, per).to(torch.int32)
         lens = torch.full((rows,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(rows, 16, 576, dtype=torch.bfloat16, device="cuda")
         nbytes = rows * ctx * 576 * 2
