@@ -8,16 +8,21 @@ where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
    heads, 8 KV heads, dim 64) and Llama-8B's (dim 128), bf16, blocks of 16 in a shuffled
    table: TFLOP/s of the kernel in OLD_TREE (default .base: the tree before the change),
    of this tree's at each CONFIGS entry (BLOCK_M:BLOCK_N:warps:stages, comma-separated), and
-   of SDPA's flash kernel on contiguous tensors (no table: the bar to clear). Then a short
+   of SDPA's flash kernel on contiguous tensors (no table: the bar to clear), and this
+   tree's at the first entry over a cache whose blocks keep their heads outermost. Then a short
    chunk over a long context (64 new tokens over 8192, the rest of a prompt after a pool
    hit) for the split-context path. Each output is checked against the old kernel's.
 2. Decode alone: 256 rows over 320 and 2048 keys each (a throughput bench's batch, a long
    context), the same heads: the K/V bytes read per second by the old kernel and by this
-   tree's at each DECODE_CONFIGS entry (TILE:warps:stages).
+   tree's at each DECODE_CONFIGS entry (TILE:warps:stages), and at the first entry over a
+   cache whose blocks keep their heads outermost.
 3. DeepSeek-V2-Lite's latent decode, old kernel and new, 256 rows over 320 and 2048 keys.
 4. The 1B and 8B dense layers' matmuls of a 16384-token step, each alone, in TFLOP/s.
 5. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
    torch.profiler, the GPU's time by kernel family.
+6. MODEL's decode step at 256 rows over ~320 keys (a throughput bench's batch): 256
+   prompts of 320 tokens to 1 token and to 33, each under torch.profiler; the difference
+   by kernel family over the 32 decode steps is a step's GPU time by family.
 """
 
 from __future__ import annotations
@@ -73,6 +78,12 @@ def _case(num_prompts, new, ctx, hq, hkv, d):
     return q, cache[:, 0], cache[:, 1], table, starts, lens, ctxs
 
 
+def _heads_outer(cache):
+    """The same values [blocks, slot, head, dim] with a block's heads outermost in memory
+    ([block, head, slot, dim]): a head's keys of a block are one run of bytes."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
 def _flops(num_prompts, new, ctx, hq, d):
     """Causal q.k and p.v: 2 FLOPs per product, (d + d) per pair, per head."""
     pairs = sum(ctx - new + i + 1 for i in range(new))
@@ -103,6 +114,12 @@ def attention(old, configs):
                           f"{flops / t / 1e12:6.1f} TFLOP/s  max |new - old| {err:.3g}")
                 except Exception as e:  # (a config that does not fit in shared memory)
                     print(f"  new {':'.join(map(str, cfg)):17s} failed: {str(e)[:100]}")
+            pa.PREFILL_TILE, pa.PREFILL_KEYS, pa.PREFILL_WARPS, pa.PREFILL_STAGES = configs[0]
+            k_cache, v_cache = _heads_outer(k_cache), _heads_outer(v_cache)
+            err = (run(pa)().float() - ref.float()).abs().max().item()
+            t = _time(run(pa))
+            print(f"  new, heads-outer cache {t * 1e3:8.3f} ms {flops / t / 1e12:6.1f} TFLOP/s  "
+                  f"max |new - old| {err:.3g}")
             if new == ctx:
                 qs = q.view(num_prompts, new, hq, d).transpose(1, 2)
                 ks = torch.randn(num_prompts, hq, ctx, d, dtype=q.dtype, device="cuda")
@@ -136,6 +153,13 @@ def decode(old, configs):
                           f"{kv_bytes / t / 1e9:7.0f} GB/s  max |new - old| {err:.3g}")
                 except Exception as e:
                     print(f"  new {':'.join(map(str, cfg)):17s} failed: {str(e)[:100]}")
+            pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = configs[0]
+            k_hnd, v_hnd = _heads_outer(k_cache), _heads_outer(v_cache)
+            err = (pa.paged_decode(q, k_hnd, v_hnd, table, ctxs).float()
+                   - ref.float()).abs().max().item()
+            t = _time(lambda: pa.paged_decode(q, k_hnd, v_hnd, table, ctxs))
+            print(f"  new, heads-outer cache {t * 1e6:8.1f} us {kv_bytes / t / 1e9:7.0f} GB/s  "
+                  f"max |new - old| {err:.3g}")
 
 
 def mla_decode(old_tree: str):
@@ -196,6 +220,32 @@ def families(model: str):
         print(f"  {t / 1e3:8.2f} ms {t / total:6.1%}  {key[:90]}")
 
 
+def _by_family(prof) -> dict[str, float]:
+    return {e.key: e.device_time_total for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def decode_families(model: str, rows: int = 256, prompt: int = 320, steps: int = 32):
+    from shoal import LLM, SamplingParams
+    from shoal.bench.throughput import bench_prompts
+    with LLM(model, device="cuda", max_batch_size=rows, block_size=BLOCK,
+             num_kv_blocks=rows * (-(-(prompt + steps + 1) // BLOCK)) + 64) as llm:
+        prompts = bench_prompts(llm, rows, prompt)
+        runs = {}
+        for n in (1, steps + 1, 1, steps + 1):  # the first two warm up
+            with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True),
+                             cache_salt=f"d{n}-{len(runs)}")
+            runs[n] = _by_family(prof)
+    diff = {k: (t - runs[1].get(k, 0.0)) / steps for k, t in runs[steps + 1].items()}
+    total = sum(diff.values())
+    print(f"== {model}: decode step at {rows} rows over ~{prompt + steps // 2} keys, "
+          f"GPU busy {total / 1e3:.3f} ms a step")
+    for key, t in sorted(diff.items(), key=lambda r: -r[1])[:14]:
+        print(f"  {t / 1e3:8.3f} ms {t / total:6.1%}  {key[:90]}")
+
+
 if __name__ == "__main__":
     old = _load(sys.argv[1] if len(sys.argv) > 1 else ".base")
     configs = [tuple(int(x) for x in c.split(":"))
@@ -209,3 +259,4 @@ if __name__ == "__main__":
     mla_decode(sys.argv[1] if len(sys.argv) > 1 else ".base")
     gemms()
     families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")
+    decode_families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")
