@@ -14,8 +14,9 @@ where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
    hit) for the split-context path. Each output is checked against the old kernel's.
 2. Decode alone: 256 rows over 320 and 2048 keys each (a throughput bench's batch, a long
    context), the same heads: the K/V bytes read per second by the old kernel and by this
-   tree's at each DECODE_CONFIGS entry (TILE:warps:stages), and at the first entry over a
-   cache whose blocks keep their heads outermost.
+   tree's at each DECODE_CONFIGS entry (TILE:warps:stages; pTILE:warps: the kernel of
+   scripts/decode_prefetch.py), and at the first entry of each kind over a cache whose
+   blocks keep their heads outermost.
 3. DeepSeek-V2-Lite's latent decode, old kernel and new, 256 rows over 320 and 2048 keys.
 4. The 1B and 8B dense layers' matmuls of a 16384-token step, each alone, in TFLOP/s.
 5. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
@@ -132,34 +133,43 @@ def attention(old, configs):
                 print(f"  SDPA flash (no table) {t * 1e3:8.3f} ms {flops / t / 1e12:6.1f} TFLOP/s")
 
 
-def decode(old, configs):
+def decode(old, configs, prefetch):
+    """configs: this tree's kernel at (TILE, warps, stages); prefetch: scripts/
+    decode_prefetch.py's kernel at (TILE, warps). Each over the token-major cache, and the
+    first of each over a heads-outer one too."""
+    from decode_prefetch import paged_decode_prefetch
+
+    def shipped(cfg):
+        def run(*args):
+            pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = cfg
+            return pa.paged_decode(*args)
+        return run
+    variants = [(f"new {':'.join(map(str, c))}", shipped(c)) for c in configs]
+    variants += [(f"prefetch {tile}:{warps}", lambda *a, tile=tile, warps=warps:
+                  paged_decode_prefetch(*a, tile=tile, warps=warps)) for tile, warps in prefetch]
+    firsts = {variants[0][0]} | ({variants[len(configs)][0]} if prefetch else set())
     for name, (hq, hkv, d) in (("1B", (32, 8, 64)), ("8B", (32, 8, 128))):
         for rows, ctx in ((256, 320), (256, 2048)):
             q, k_cache, v_cache, table, _, _, ctxs = _case(rows, 1, ctx, hq, hkv, d)
-            kv_bytes = 2 * rows * ctx * hkv * d * 2
-
-            def run(mod):
-                return lambda: mod.paged_decode(q, k_cache, v_cache, table, ctxs)
-            ref = run(old)()
-            print(f"== decode {name} heads {hq}/{hkv} dim {d}: {rows} rows over {ctx} keys")
-            t = _time(run(old))
-            print(f"  old kernel            {t * 1e6:8.1f} us {kv_bytes / t / 1e9:7.0f} GB/s")
-            for cfg in configs:
-                pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = cfg
-                try:
-                    err = (run(pa)().float() - ref.float()).abs().max().item()
-                    t = _time(run(pa))
-                    print(f"  new {':'.join(map(str, cfg)):17s} {t * 1e6:8.1f} us "
-                          f"{kv_bytes / t / 1e9:7.0f} GB/s  max |new - old| {err:.3g}")
-                except Exception as e:
-                    print(f"  new {':'.join(map(str, cfg)):17s} failed: {str(e)[:100]}")
-            pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = configs[0]
             k_hnd, v_hnd = _heads_outer(k_cache), _heads_outer(v_cache)
-            err = (pa.paged_decode(q, k_hnd, v_hnd, table, ctxs).float()
-                   - ref.float()).abs().max().item()
-            t = _time(lambda: pa.paged_decode(q, k_hnd, v_hnd, table, ctxs))
-            print(f"  new, heads-outer cache {t * 1e6:8.1f} us {kv_bytes / t / 1e9:7.0f} GB/s  "
-                  f"max |new - old| {err:.3g}")
+            kv_bytes = 2 * rows * ctx * hkv * d * 2
+            ref = old.paged_decode(q, k_cache, v_cache, table, ctxs)
+            print(f"== decode {name} heads {hq}/{hkv} dim {d}: {rows} rows over {ctx} keys")
+            t = _time(lambda: old.paged_decode(q, k_cache, v_cache, table, ctxs))
+            print(f"  old kernel                    {t * 1e6:8.1f} us "
+                  f"{kv_bytes / t / 1e9:7.0f} GB/s")
+            for label, fn in variants:
+                for layout, (k, v) in (("", (k_cache, v_cache)), (", heads outer", (k_hnd, v_hnd))):
+                    if layout and label not in firsts:
+                        continue
+                    try:
+                        err = (fn(q, k, v, table, ctxs).float() - ref.float()).abs().max().item()
+                        t = _time(lambda: fn(q, k, v, table, ctxs))
+                        print(f"  {label + layout:29s} {t * 1e6:8.1f} us "
+                              f"{kv_bytes / t / 1e9:7.0f} GB/s  max |diff| {err:.3g}")
+                    except Exception as e:
+                        print(f"  {label + layout:29s} failed: {str(e)[:100]}")
+    pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = configs[0]
 
 
 def mla_decode(old_tree: str):
@@ -253,8 +263,9 @@ if __name__ == "__main__":
     attention(old, configs)
     pa.PREFILL_TILE, pa.PREFILL_KEYS, pa.PREFILL_WARPS, pa.PREFILL_STAGES = configs[0]
     shipped = pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES
-    decode(old, [tuple(int(x) for x in c.split(":"))
-                 for c in (sys.argv[4] if len(sys.argv) > 4 else "64:4:2").split(",")])
+    decode_cfgs = (sys.argv[4] if len(sys.argv) > 4 else "64:4:2").split(",")
+    decode(old, [tuple(int(x) for x in c.split(":")) for c in decode_cfgs if c[0] != "p"],
+           [tuple(int(x) for x in c[1:].split(":")) for c in decode_cfgs if c[0] == "p"])
     pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = shipped
     mla_decode(sys.argv[1] if len(sys.argv) > 1 else ".base")
     gemms()
