@@ -1,8 +1,8 @@
 """Prefill attention on the GPU: the paged Triton kernel against SDPA's flash kernel, and
 where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
 
-    PYTHONPATH=$PWD python3 scripts/prefill_attn_probe.py [OLD_TREE] [CONFIGS] [MODEL]
-        [DECODE_CONFIGS]
+    PYTHONPATH=$PWD [SECTIONS=attention,decode,mla,gemms,families,steps] \
+        python3 scripts/prefill_attn_probe.py [OLD_TREE] [CONFIGS] [MODEL] [DECODE_CONFIGS]
 
 1. Attention alone, 8 prompts x 4096 tokens from nothing, for Llama-1B's heads (32 query
    heads, 8 KV heads, dim 64) and Llama-8B's (dim 128), bf16, blocks of 16 in a shuffled
@@ -29,6 +29,7 @@ where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
 import sys
 
@@ -257,17 +258,26 @@ def decode_families(model: str, rows: int = 256, prompt: int = 320, steps: int =
 
 
 if __name__ == "__main__":
-    old = _load(sys.argv[1] if len(sys.argv) > 1 else ".base")
+    old_tree = sys.argv[1] if len(sys.argv) > 1 else ".base"
+    model = sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b"
+    sections = os.environ.get("SECTIONS", "attention,decode,mla,gemms,families,steps")
+    old = _load(old_tree)
     configs = [tuple(int(x) for x in c.split(":"))
                for c in (sys.argv[2] if len(sys.argv) > 2 else "64:64:4:2").split(",")]
-    attention(old, configs)
+    if "attention" in sections:
+        attention(old, configs)
     pa.PREFILL_TILE, pa.PREFILL_KEYS, pa.PREFILL_WARPS, pa.PREFILL_STAGES = configs[0]
-    shipped = pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES
-    decode_cfgs = (sys.argv[4] if len(sys.argv) > 4 else "64:4:2").split(",")
-    decode(old, [tuple(int(x) for x in c.split(":")) for c in decode_cfgs if c[0] != "p"],
-           [tuple(int(x) for x in c[1:].split(":")) for c in decode_cfgs if c[0] == "p"])
-    pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = shipped
-    mla_decode(sys.argv[1] if len(sys.argv) > 1 else ".base")
-    gemms()
-    families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")
-    decode_families(sys.argv[3] if len(sys.argv) > 3 else "random:llama-1b")
+    if "decode" in sections:
+        shipped = pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES
+        cfgs = (sys.argv[4] if len(sys.argv) > 4 else "64:4:2").split(",")
+        decode(old, [tuple(int(x) for x in c.split(":")) for c in cfgs if c[0] != "p"],
+               [tuple(int(x) for x in c[1:].split(":")) for c in cfgs if c[0] == "p"])
+        pa.DECODE_KEYS, pa.DECODE_WARPS, pa.DECODE_STAGES = shipped
+    if "mla" in sections:
+        mla_decode(old_tree)
+    if "gemms" in sections:
+        gemms()
+    if "families" in sections:
+        families(model)
+    if "steps" in sections:
+        decode_families(model)
