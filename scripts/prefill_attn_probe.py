@@ -7,16 +7,16 @@ where a whole prefill's time goes (issue 26's prefill MFU; run on the lent GPU).
 1. Attention alone, 8 prompts x 4096 tokens from nothing, for Llama-1B's heads (32 query
    heads, 8 KV heads, dim 64) and Llama-8B's (dim 128), bf16, blocks of 16 in a shuffled
    table: TFLOP/s of the kernel in OLD_TREE (default .base: the tree before the change),
-   of this tree's at each CONFIGS entry (BLOCK_M:BLOCK_N:warps:stages, comma-separated), and
-   of SDPA's flash kernel on contiguous tensors (no table: the bar to clear), and this
-   tree's at the first entry over a cache whose blocks keep their heads outermost. Then a short
-   chunk over a long context (64 new tokens over 8192, the rest of a prompt after a pool
-   hit) for the split-context path. Each output is checked against the old kernel's.
+   of this tree's at each CONFIGS entry (BLOCK_M:BLOCK_N:warps:stages, comma-separated)
+   and at the first one over a cache whose blocks keep their heads outermost, and of SDPA's
+   flash kernel on contiguous tensors (no table: the bar to clear). Then a short chunk
+   over a long context (64 new tokens over 8192, the rest of a prompt after a pool hit)
+   for the split-context path. Each output is checked against the old kernel's.
 2. Decode alone: 256 rows over 320 and 2048 keys each (a throughput bench's batch, a long
-   context), the same heads: the K/V bytes read per second by the old kernel and by this
-   tree's at each DECODE_CONFIGS entry (TILE:warps:stages; pTILE:warps: the kernel of
-   scripts/decode_prefetch.py), and at the first entry of each kind over a cache whose
-   blocks keep their heads outermost.
+   context), the same heads and SmolLM2-135M's (9 query heads, 3 KV heads, dim 64): the
+   K/V bytes read per second by the old kernel and by this tree's at each DECODE_CONFIGS
+   entry (TILE:warps:stages; pTILE:warps: the kernel of scripts/decode_prefetch.py), and
+   at the first entry of each kind over a cache whose blocks keep their heads outermost.
 3. DeepSeek-V2-Lite's latent decode, old kernel and new, 256 rows over 320 and 2048 keys.
 4. The 1B and 8B dense layers' matmuls of a 16384-token step, each alone, in TFLOP/s.
 5. MODEL (default random:llama-1b): one round of 8 x 4096 through `LLM.generate` under
@@ -149,7 +149,7 @@ def decode(old, configs, prefetch):
     variants += [(f"prefetch {tile}:{warps}", lambda *a, tile=tile, warps=warps:
                   paged_decode_prefetch(*a, tile=tile, warps=warps)) for tile, warps in prefetch]
     firsts = {variants[0][0]} | ({variants[len(configs)][0]} if prefetch else set())
-    for name, (hq, hkv, d) in (("1B", (32, 8, 64)), ("8B", (32, 8, 128))):
+    for name, (hq, hkv, d) in (("135M", (9, 3, 64)), ("1B", (32, 8, 64)), ("8B", (32, 8, 128))):
         for rows, ctx in ((256, 320), (256, 2048)):
             q, k_cache, v_cache, table, _, _, ctxs = _case(rows, 1, ctx, hq, hkv, d)
             k_hnd, v_hnd = _heads_outer(k_cache), _heads_outer(v_cache)
