@@ -88,10 +88,14 @@ def _decode_prefetch_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr,
 
 def paged_decode_prefetch(q, k_cache, v_cache, block_table, context_lens, tile: int = 64,
                           warps: int = 4):
-    """As `paged_decode`, for head dims that are powers of two (D == DP)."""
+    """As `paged_decode`, for head dims that are powers of two (D == DP) and tiles of whole
+    blocks."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim == max(16, triton.next_power_of_2(head_dim))
+    tile = max(tile, block_size)
+    # a key's slot is its place in the tile modulo the block: tiles are whole blocks
+    assert tile % block_size == 0, (tile, block_size)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
     _decode_prefetch_kernel[(num_kv_heads, batch)](
@@ -100,7 +104,7 @@ def paged_decode_prefetch(q, k_cache, v_cache, block_table, context_lens, tile: 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_table.stride(0), head_dim ** -0.5 * pa.LOG2E, G=group,
         GP=max(16, triton.next_power_of_2(group)), D=head_dim, DP=head_dim,
-        BLOCK_SIZE=block_size, TILE=max(tile, block_size),
+        BLOCK_SIZE=block_size, TILE=tile,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=1)
     return out
 
