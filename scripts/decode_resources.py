@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import shoal.model.paged_attention as pa  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+import compile_kernels  # noqa: E402
 import decode_prefetch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -44,8 +45,9 @@ INTS = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride
 def compile_decode(kernel, head_dim: int, tile: int, warps: int, stages: int):
     consts = dict(G=4, GP=16, D=head_dim, DP=head_dim, BLOCK_SIZE=16, TILE=tile,
                   PRECISION="tf32")
-    sig = {**{k: f"*{t}" for k, t in POINTERS.items()}, **{k: "i32" for k in INTS},
-           "scale": "fp32", **{k: "constexpr" for k in consts}}
+    sig, consts = compile_kernels.signature(POINTERS, INTS, consts)
+    sig["scale"] = "fp32"
+    sig = {name: sig[name] for name in kernel.arg_names}  # in the kernel's order
     # the table's stride is not specialized (the kernel says so); everything else is
     aligned = {(i,): [["tt.divisibility", 16]] for i, (k, t) in enumerate(sig.items())
                if t not in ("constexpr", "fp32") and k != "stride_table"}

@@ -17,8 +17,9 @@ never materialise the gathered context. GQA: query head h reads KV head h // G.
              softmax is kept, and a second kernel folds them (64 new tokens over 8192:
              0.42 -> 0.10 ms on an H100)
 
-Both walk the keys in a pipelined loop (`tl.range`: the next tiles' loads are issued while
-this one is computed); tiles every query sees whole take no mask (in prefill those before
+Both walk the keys in a `tl.range` loop that Triton pipelines (at 2 stages the next tile's
+copies start after this one's fold, so they overlap other programs' work, not this one's:
+scripts/decode_resources.py); tiles every query sees whole take no mask (in prefill those before
 a query tile's first position, in decode all but the last), and the softmax runs in base
 2 (logits scaled by log2(e), exp2). H100, bf16, 8 prompts x 4096 tokens from nothing: the
 prefill kernel went from 204 to 272 TFLOP/s with Llama-1B's heads (SDPA's flash kernel on
